@@ -1,0 +1,103 @@
+"""The generation protocol every engine implements.
+
+A request asks for `n` children of one prefix, each at most `max_new_tokens` long. The prefix always travels as
+token ids, so any engine can serve it; `parent_key` additionally names a cached node of *this* engine (a key the
+engine returned with an earlier segment), so a prefix-caching engine continues from that cache instead of
+recomputing the prefix. A key that is unknown (evicted, or another engine's) falls back to the token ids.
+Engines batch continuously: `add_requests` may be called between `step` calls, and `step` returns whatever
+finished in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    """How tokens are drawn."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    seed: int | None = None
+    """Seed of this request's random stream: the same request and seed give the same tokens."""
+
+
+@dataclass
+class SegmentRequest:
+    """Sample `n` continuations of one prefix."""
+
+    request_id: str
+    """Unique id chosen by the caller; results carry it back."""
+    prefix_ids: list[int]
+    """Full prefix: prompt plus every generated token so far."""
+    max_new_tokens: int
+    """Length cap of each child segment."""
+    n: int = 1
+    """How many children to sample from this prefix."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling parameters, shared by the children (child j uses seed + j)."""
+    parent_key: str | None = None
+    """Cache key of the node this prefix ends at, as returned by this engine earlier; None = no cached node."""
+    stop_at_eos: bool = True
+    """End a child at the EOS token (it is kept as the segment's last token)."""
+
+
+@dataclass
+class Segment:
+    """One sampled child."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each sampled token under the sampling distribution's model (temperature 1, before top-p/k)."""
+    finish_reason: str
+    """'eos' (ended with the EOS token) or 'length' (reached max_new_tokens)."""
+    cache_key: str | None = None
+    """Key under which the engine keeps this child's KV cache for later continuation (None = not cached)."""
+
+
+@dataclass
+class SegmentResult:
+    request_id: str
+    children: list[Segment]
+    weights_version: int = 0
+    """Version of the weights that generated these tokens."""
+
+
+class Engine(Protocol):
+    """What the sampler and the runtime need of a generation backend."""
+
+    eos_token_id: int
+
+    def add_requests(self, requests: list[SegmentRequest]) -> None: ...
+
+    def step(self) -> list[SegmentResult]:
+        """Advance every pending request by one decode step; return the requests that finished."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def release(self, keys: list[str]) -> None:
+        """Free the caches of nodes that will never be continued or branched from again."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters: forward_tokens (every position run through the model), cache_hits, cached_tokens, ..."""
+        ...
+
+    def load_weights(self, state_dict: dict, version: int) -> None: ...
+
+
+def generate(engine: Engine, requests: list[SegmentRequest]) -> list[SegmentResult]:
+    """Run `requests` to completion and return their results in request order."""
+    engine.add_requests(requests)
+    done: dict[str, SegmentResult] = {}
+    while engine.has_unfinished():
+        for result in engine.step():
+            done[result.request_id] = result
+    return [done[r.request_id] for r in requests]
