@@ -23,7 +23,7 @@ def leaf_pass_rate(leaf_rewards) -> float:
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float:
     """Pearson correlation of x and y, 0 where undefined (fewer than two points or a constant series)."""
-    if x.size < 2:
+    if x.size < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return 0.0
     dx, dy = x - x.mean(), y - y.mean()
     den = np.sqrt(np.sum(dx * dx) * np.sum(dy * dy))
