@@ -1,0 +1,123 @@
+"""Typed configuration: dataclasses, loaded from YAML, overridden by dotted `key=value` arguments.
+
+Each layer defines the dataclass of its own settings next to the code that reads them (one place per default);
+the job's top-level config composes them. Unknown keys are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Turn a YAML/command-line value into the annotated type, or raise naming the key."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(f"{where}: cannot read {value!r} as {tp}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
+    """Build dataclass `cls` from a nested dict; unknown keys raise ValueError naming them."""
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(cfg: T, overrides: list[str]) -> T:
+    """Apply `a.b.c=value` strings to a (nested) dataclass instance; returns a new instance."""
+    data = to_dict(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        node, parts = data, key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section of the config")
+            node = node[part]
+        if parts[-1] not in node:
+            raise ValueError(f"override {item!r}: unknown key {parts[-1]!r} (known: {sorted(node)})")
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return from_dict(type(cfg), data)
+
+
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Defaults of `cls`, then the YAML file at `path` (may set any subset), then dotted overrides."""
+    cfg = cls()
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        merged = _merge(to_dict(cfg), data, str(path))
+        cfg = from_dict(cls, merged, str(path))
+    return apply_overrides(cfg, overrides or [])
+
+
+def _merge(base: dict, update: dict, where: str) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if k not in base:
+            raise ValueError(f"{where}: unknown key {k!r} (known: {sorted(base)})")
+        out[k] = _merge(base[k], v, f"{where}.{k}") if isinstance(base[k], dict) and isinstance(v, dict) else v
+    return out
