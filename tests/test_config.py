@@ -1,0 +1,45 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from treepo_ray import config
+
+
+@dataclass
+class Inner:
+    x: int = 1
+    y: float | None = None
+    name: str = "a"
+    items: list[int] = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+    flag: bool = False
+
+
+def test_overrides_are_typed():
+    cfg = config.apply_overrides(Outer(), ["inner.x=5", "inner.y=0.5", "flag=true", "inner.items=[3,4]", "inner.name=b"])
+    assert cfg == Outer(Inner(x=5, y=0.5, name="b", items=[3, 4]), flag=True)
+    assert config.apply_overrides(Outer(), ["inner.y=null"]).inner.y is None
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [("inner.z=1", "unknown key 'z'"), ("inner.x=1.5", "expected an integer"), ("nope.x=1", "not a section"),
+     ("flag=maybe", "true or false"), ("flag", "key=value")],
+)
+def test_bad_overrides_name_the_key(bad, message):
+    with pytest.raises(ValueError, match=message):
+        config.apply_overrides(Outer(), [bad])
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("inner:\n  x: 7\nflag: true\n")
+    cfg = config.load(Outer, path, ["inner.name=z"])
+    assert (cfg.inner.x, cfg.inner.name, cfg.flag, cfg.inner.items) == (7, "z", True, [1, 2])
+    path.write_text("inner:\n  typo: 7\n")
+    with pytest.raises(ValueError, match="typo"):
+        config.load(Outer, path)

@@ -1,0 +1,38 @@
+"""`treepo-ray COMMAND ...`: each command is the `main(argv)` of the module that owns it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
+    "eval": ("treepo_ray.data.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset"),
+    "bench": ("treepo_ray.engines.bench", "tree vs sequential sampling throughput on one engine"),
+    "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
+    "viz": ("treepo_ray.runtime.viz", "render a run's saved trees as a self-contained HTML page"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: treepo-ray COMMAND [args ...]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`treepo-ray COMMAND --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"treepo-ray: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
