@@ -1,0 +1,182 @@
+"""Policy losses: clipped surrogate, dual-clip, aggregation, KL estimators, entropy, gradients and metrics."""
+
+import math
+
+import pytest
+import torch
+
+from treepo_ray.algo import LossConfig, aggregate, kl_penalty, policy_loss
+
+LOG2 = math.log(2.0)
+
+
+def one_token(ratio: float, adv: float, cfg: LossConfig):
+    """Loss, metrics and d loss / d logprob for a single response token with the given ratio and advantage."""
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, m = policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1), cfg)
+    loss.backward()
+    return loss.item(), m, logp.grad.item()
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, loss, grad, side",
+    [
+        (1.1, 1.0, -1.1, -1.1, None),  # inside the range: -A * ratio, d/dlogp = -A * ratio
+        (0.9, -1.0, 0.9, 0.9, None),
+        (1.25, 1.0, -1.25, -1.25, None),  # inside thanks to clip-higher (1 + 0.28)
+        (1.5, 1.0, -1.28, 0.0, "high"),  # A > 0 above 1 + clip_high: clipped, no gradient
+        (1.5, -1.0, 1.5, 1.5, None),  # A < 0 above the range: the unclipped term is larger, kept
+        (0.5, -1.0, 0.8, 0.0, "low"),  # A < 0 below 1 - clip_low: clipped
+        (0.5, 1.0, -0.5, -0.5, None),  # A > 0 below the range: unclipped, kept
+        (0.5, -2.0, 1.6, 0.0, "low"),
+    ],
+)
+def test_clipped_surrogate_by_hand(ratio, adv, loss, grad, side):
+    got, m, g = one_token(ratio, adv, LossConfig())
+    assert got == pytest.approx(loss, rel=1e-6)
+    assert g == pytest.approx(grad, rel=1e-5, abs=1e-7)
+    assert m["clip_frac_low"] == (side == "low")
+    assert m["clip_frac_high"] == (side == "high")
+    assert m["clip_frac"] == (side is not None)
+    assert m["pg_loss"] == pytest.approx(loss, rel=1e-6) and m["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_symmetric_clip_clips_where_clip_higher_does_not():
+    assert one_token(1.25, 1.0, LossConfig(clip_high=0.2))[0] == pytest.approx(-1.2)
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, loss, capped",
+    [
+        (5.0, -1.0, 3.0, True),  # c |A| = 3 caps -A * ratio = 5
+        (5.0, -2.0, 6.0, True),
+        (2.0, -1.0, 2.0, False),  # below the cap
+        (5.0, 1.0, -1.28, False),  # positive advantages are untouched
+    ],
+)
+def test_dual_clip_cap(ratio, adv, loss, capped):
+    got, m, g = one_token(ratio, adv, LossConfig(dual_clip=3.0))
+    assert got == pytest.approx(loss, rel=1e-6)
+    assert m["clip_frac_dual"] == capped
+    if capped:
+        assert g == 0.0
+    # without dual-clip the negative-advantage loss grows with the ratio
+    assert one_token(5.0, -1.0, LossConfig())[0] == pytest.approx(5.0, rel=1e-6)
+
+
+def test_aggregate_token_vs_seq_mean():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 2 has no tokens
+    assert aggregate(values, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(values, mask, "seq-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(values, torch.zeros_like(mask), "seq-mean").item() == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        aggregate(values, mask, "sum")
+
+
+def test_policy_loss_aggregation_on_unequal_lengths():
+    # ratio 1 everywhere, so pg = -A per token; row 0 has 3 tokens with A = 1, row 1 one token with A = 3
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, 3.0])
+    tok, _ = policy_loss(logp, logp, adv, mask, LossConfig(aggregation="token-mean"))
+    seq, _ = policy_loss(logp, logp, adv, mask, LossConfig(aggregation="seq-mean"))
+    assert tok.item() == pytest.approx(-(3 * 1 + 1 * 3) / 4)
+    assert seq.item() == pytest.approx(-(1 + 3) / 2)
+    # per-token advantages [B, T] give the same as broadcasting [B]
+    tok2, _ = policy_loss(logp, logp, adv[:, None].expand(2, 3), mask, LossConfig())
+    assert tok2.item() == pytest.approx(tok.item())
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.log(torch.tensor([0.5, 0.25]))
+    ref = torch.log(torch.tensor([0.25, 0.5]))
+    # log r = ref - logp = [-log 2, log 2]
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([LOG2, -LOG2]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([0.5 * LOG2**2, 0.5 * LOG2**2]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([0.5 - 1 + LOG2, 2 - 1 - LOG2]))
+    assert torch.all(kl_penalty(logp, logp, "k3") == 0)
+    with pytest.raises(ValueError, match="estimator"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_kl_and_entropy_terms_enter_the_loss():
+    logp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    ent = torch.tensor([[1.0, 3.0]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
+    loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, cfg, ref_logprobs=ref, entropy=ent)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-7)  # k1: (log 2 - log 2) / 2
+    assert m["entropy"] == pytest.approx(2.0)
+    assert m["loss"] == pytest.approx(m["pg_loss"] + 0.1 * m["kl"] - 0.01 * m["entropy"])
+    loss.backward()
+    # d/dlogp of 0.1 * mean(logp - ref) = 0.05 per token; the entropy bonus lowers the loss as entropy grows
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.05, 0.05]]))
+    torch.testing.assert_close(ent.grad, torch.tensor([[-0.005, -0.005]]))
+    # a reference without kl_coef is still reported, but not optimised
+    _, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, LossConfig(), ref_logprobs=ref)
+    assert m["kl"] == pytest.approx((0.5 - 1 + LOG2 + 2 - 1 - LOG2) / 2)
+    assert m["loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_approx_kl_old_vs_new():
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[LOG2, 0.0]])  # ratios 2 and 1
+    _, m = policy_loss(new, old, torch.tensor([1.0]), torch.tensor([[1.0, 1.0]]), LossConfig(clip_high=2.0))
+    assert m["approx_kl"] == pytest.approx((2 - 1 - LOG2) / 2, rel=1e-6)
+    _, m = policy_loss(old, old, torch.tensor([1.0]), torch.ones(1, 2), LossConfig())
+    assert m["approx_kl"] == 0.0 and m["clip_frac"] == 0.0
+
+
+def test_gradient_direction_and_step():
+    torch.manual_seed(0)
+    old = -torch.rand(2, 5)
+    logp = (old + 0.05 * torch.randn(2, 5)).requires_grad_()
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
+    adv = torch.tensor([1.0, -1.0])
+    loss, _ = policy_loss(logp, old, adv, mask, LossConfig())
+    loss.backward()
+    assert torch.all(logp.grad[0] < 0)  # raising a positive-advantage token's log-prob lowers the loss
+    assert torch.all(logp.grad[1, :3] > 0)
+    assert torch.all(logp.grad[1, 3:] == 0)  # padding gets no gradient
+    with torch.no_grad():
+        stepped = logp.clone()
+        stepped[0, 2] += 0.01  # raise one positive-advantage token
+        assert policy_loss(stepped, old, adv, mask, LossConfig())[0] < loss
+        stepped = logp - 0.01 * logp.grad
+        assert policy_loss(stepped, old, adv, mask, LossConfig())[0] < loss
+
+
+def test_clip_fractions_add_up():
+    torch.manual_seed(1)
+    old = -torch.rand(8, 16)
+    logp = old + 0.5 * torch.randn(8, 16)
+    adv = torch.randn(8, 16)
+    mask = (torch.rand(8, 16) > 0.3).float()
+    _, m = policy_loss(logp, old, adv, mask, LossConfig())
+    assert 0 < m["clip_frac_low"] and 0 < m["clip_frac_high"]
+    assert m["clip_frac"] == pytest.approx(m["clip_frac_low"] + m["clip_frac_high"])
+    assert set(m) >= {"pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "kl", "entropy",
+                      "loss"}
+    assert all(isinstance(v, float) for v in m.values())
+
+
+def test_bad_input_and_config():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="old_logprobs has shape"):
+        policy_loss(x, torch.zeros(2, 4), torch.zeros(2), x, LossConfig())
+    with pytest.raises(ValueError, match="advantages must be"):
+        policy_loss(x, x, torch.zeros(3), x, LossConfig())
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        policy_loss(x, x, torch.zeros(2), x, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(x, x, torch.zeros(2), x, LossConfig(entropy_coef=0.01))
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossConfig(dual_clip=1.0)
+    with pytest.raises(ValueError, match="aggregation"):
+        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig(kl_estimator="k5")
+    with pytest.raises(ValueError, match="clip_low"):
+        LossConfig(clip_low=1.0)
