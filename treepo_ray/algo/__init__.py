@@ -11,6 +11,7 @@ from treepo_ray.algo.informativeness import (
     informativeness,
     informativeness_weights,
     leaf_pass_rate,
+    tree_informativeness,
 )
 from treepo_ray.algo.losses import LossConfig, aggregate, kl_penalty, policy_loss
 from treepo_ray.algo.treerpo import leaf_mask, propagate_rewards, treerpo_advantages
@@ -34,6 +35,7 @@ __all__ = [
     "policy_loss",
     "propagate_rewards",
     "treepo_scores",
+    "tree_informativeness",
     "treerpo_advantages",
     "whiten",
 ]

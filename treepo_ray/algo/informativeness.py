@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from treepo_ray.algo._checks import finite_1d
+from treepo_ray.tree.tree import Tree
 
 DEAD_CORRECT = "dead_correct"
 DEAD_WRONG = "dead_wrong"
@@ -88,3 +89,15 @@ def informativeness_weights(F) -> np.ndarray:
     if mean == 0:
         return np.ones_like(f)
     return f / mean
+
+
+def tree_informativeness(tree: Tree) -> tuple[float, float]:
+    """F(T) and p of a scored Tree: its trajectories' rewards as leaves, every rewarded node's summed log-prob.
+
+    Nodes without a reward (NaN: paths dropped as surplus) are left out of the correlation.
+    """
+    leaf_rewards = [tree.reward[n] for n in tree.trajectories]
+    nodes = [0] + [n for n in range(1, len(tree)) if np.isfinite(tree.reward[n])]
+    logprob_sums = [float(sum(tree.logprobs[n])) for n in nodes]
+    node_rewards = [0.0] + [tree.reward[n] for n in nodes[1:]]
+    return informativeness(leaf_rewards, logprob_sums, node_rewards), leaf_pass_rate(leaf_rewards)
