@@ -1,0 +1,72 @@
+"""Settings of the training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treepo_ray.algo.losses import LossConfig
+
+STRATEGIES = ("fsdp2", "deepspeed", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class LearnerConfig:
+    """Optimiser, batching, parallelism and loss of the learner."""
+
+    lr: float = 1e-6
+    """AdamW learning rate (1e-6 as in the papers; the tiny CPU demo uses about 2e-4)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value before each optimizer step (<= 0 disables clipping)."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward pass on one rank; gradients accumulate over micro-batches."""
+    ppo_epochs: int = 1
+    """Passes over the batch of one train_step."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the (shuffled) batch is split into this many mini-batches."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss: clip ranges, aggregation, KL and entropy weights."""
+    strategy: str = "fsdp2"
+    """Data parallelism when world_size > 1: "fsdp2" (fully_shard per decoder layer and the root), "deepspeed"
+    (not implemented yet) or "none" (single process only)."""
+    dtype: str = "float32"
+    """Compute dtype of forward/backward; master weights and optimizer state stay float32 (use float32 on CPU)."""
+    use_ref_model: bool | None = None
+    """Keep a frozen copy of the initial model for the KL term; None means "when loss.kl_coef > 0"."""
+    temperature: float = 1.0
+    """Logits are divided by this before log-probs and entropy; match the generators' sampling temperature."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory, costs about one extra forward). HF checkpoints only in
+    training mode, so the model's configured dropout is then active in training passes."""
+    seed: int = 0
+    """Seed of the mini-batch shuffle and the torch RNG."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr = {self.lr}; it must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay = {self.weight_decay}; it must be >= 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas = {self.betas}; expected two numbers in [0, 1)")
+        for name in ("micro_batch_size", "ppo_epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}; it must be >= 1")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy = {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype = {self.dtype!r}; choose one of {DTYPES}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature = {self.temperature}; it must be > 0")
+        if self.use_ref_model is False and self.loss.kl_coef > 0:
+            raise ValueError(f"use_ref_model = False but loss.kl_coef = {self.loss.kl_coef} needs a reference model")
+
+    @property
+    def needs_ref_model(self) -> bool:
+        """Whether a frozen reference model is loaded."""
+        return self.loss.kl_coef > 0 if self.use_ref_model is None else self.use_ref_model
