@@ -1,0 +1,378 @@
+import math
+
+import numpy as np
+import pytest
+from scripted_engine import EOS, by_round, canonical, child, decode, drive
+
+from treepo_ray.tree import (
+    Child,
+    Tree,
+    TreePOConfig,
+    TreePOGrower,
+    allocate_logprob,
+    allocate_uniform,
+    branch_budget,
+)
+
+
+def cfg(**kw) -> TreePOConfig:
+    base = dict(width=16, max_depth=14, segment_len=4, repetition_substr_len=8, repetition_min_count=3)
+    base.update(kw)
+    return TreePOConfig(**base)
+
+
+def grower(c: TreePOConfig, seed: int = 0) -> TreePOGrower:
+    return TreePOGrower(Tree(prompt_ids=[100, 101], query_id="q"), c, eos_token_id=EOS, decode=decode, seed=seed)
+
+
+# ---- budget transfer ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "finished, finished_now, active, expected",
+    [
+        (0, 0, 2, 4),  # depth 1 of a binary tree: 2 paths x b=2
+        (1, 1, 3, 8),  # one finished: its 2 branches go to the 3 survivors, b * (1 + 3) = 8 <= 15 left
+        (4, 3, 5, 12),  # b * (3 + 5) = 16, but only 16 - 4 = 12 trajectories are missing
+        (14, 10, 2, 2),  # 2 missing
+        (15, 0, 3, 3),  # 1 missing, but every active path continues: at least `active`
+        (20, 1, 2, 2),  # more finished than w: nothing remains, still one child per active path
+    ],
+)
+def test_branch_budget_hand_computed(finished, finished_now, active, expected):
+    assert branch_budget(16, 2, finished, finished_now, active) == expected
+
+
+def test_budget_transfer_round_by_round():
+    plan = {
+        2: {0: "eos"},
+        3: {0: "boxed", 1: "eos", 2: "rep"},
+        4: {k: "eos" for k in range(10)},
+        5: {0: "eos", 1: "eos"},
+    }
+    g = grower(cfg())
+    batches = drive(g, by_round(plan))
+    steps = [(s.depth, s.finished, s.finished_now, s.active, s.total) for s in g.history]
+    assert steps == [(1, 0, 0, 2, 4), (2, 1, 1, 3, 8), (3, 4, 3, 5, 12), (4, 14, 10, 2, 2), (5, 16, 2, 0, 0)]
+    shares = [sorted(s.shares) for s in g.history]
+    assert shares == [[2, 2], [2, 3, 3], [2, 2, 2, 3, 3], [1, 1], []]
+    # Each round's asks are exactly one ask per active path, n = its share.
+    assert [[a.n for a in b] for b in batches] == [[2]] + [s.shares for s in g.history[:-1]]
+    assert [len(b) for b in batches] == [1, 2, 3, 5, 2]
+    t = g.tree
+    assert len(t.trajectories) == 16 and len(set(t.trajectories)) == 16
+    assert all(t.finish[n] != "none" and not t.children(n) for n in t.trajectories)
+    st = g.stats()
+    assert st["finish/eos"] == 14 and st["finish/boxed"] == 1 and st["finish/repetition"] == 1
+    assert st["asks"] == 13 and st["rounds"] == 5 and st["fallbacks"] == 0 and st["surplus_dropped"] == 0
+    assert st["branches"] == 11  # asks with n >= 2: the root, then 2 + 3 + 5 in rounds 1-3
+    assert st["max_depth_reached"] == 5 and st["trajectories"] == 16
+    assert t.meta["growth"] == st
+
+
+def test_uniform_remainder_goes_to_random_paths():
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(50):
+        shares = allocate_uniform(8, 3, rng)
+        assert sorted(shares) == [2, 3, 3]
+        seen.add(tuple(shares))
+    assert seen == {(2, 3, 3), (3, 2, 3), (3, 3, 2)}
+
+
+def test_round_waits_for_every_active_path():
+    g = grower(cfg())
+    (root,) = g.asks()
+    g.receive(root.request_id, [child(root, j) for j in range(2)])
+    a1, a2 = g.asks()
+    assert g.asks() == []  # each ask is returned once
+    g.receive(a1.request_id, [child(a1, j) for j in range(a1.n)])
+    assert g.asks() == [] and not g.done()  # depth 2 of path 2 is still missing
+    g.receive(a2.request_id, [child(a2, j) for j in range(a2.n)])
+    assert sum(a.n for a in g.asks()) == 8  # the next depth is branched at once
+
+
+# ---- initial divergence -------------------------------------------------------------------------------------------
+
+
+def test_fixed_initial_divergence():
+    g = grower(cfg(init_divergence=5))
+    (root,) = g.asks()
+    assert (root.node, root.n, root.max_new_tokens) == (0, 5, 4)
+    assert g.stats()["init_divergence"] == 5
+
+
+def test_random_initial_divergence_per_prompt():
+    values = []
+    for seed in range(40):
+        g = grower(cfg(init_divergence_min=2, init_divergence_max=8), seed=seed)
+        (root,) = g.asks()
+        assert 2 <= root.n <= 8 and root.n == g.stats()["init_divergence"]
+        assert grower(cfg(init_divergence_min=2, init_divergence_max=8), seed=seed).asks()[0].n == root.n
+        values.append(root.n)
+    assert len(set(values)) >= 5
+
+
+def test_random_initial_divergence_still_gives_w():
+    g = grower(cfg(init_divergence_min=2, init_divergence_max=8, max_depth=4), seed=3)
+    drive(g, by_round({}))
+    assert len(g.tree.trajectories) == 16
+
+
+# ---- log-prob weighted allocation ---------------------------------------------------------------------------------
+
+
+def test_logprob_allocation_hand_computed():
+    # softmax([-1, -3, -9] / 2) = [0.7214, 0.2654, 0.0132]; x 8 = [5.77, 2.12, 0.11] -> [6, 2, max(1, 0)]
+    assert allocate_logprob(8, [-1.0, -3.0, -9.0], 2.0, +1.0) == [6, 2, 1]
+    # low: softmax([1, 3, 9] / 2) x 8 = [0.14, 0.37, 7.49] -> [1, 1, 7]
+    assert allocate_logprob(8, [-1.0, -3.0, -9.0], 2.0, -1.0) == [1, 1, 7]
+    # a high temperature flattens it: near uniform
+    assert allocate_logprob(8, [-1.0, -3.0], 1000.0, +1.0) == [4, 4]
+
+
+@pytest.mark.parametrize("policy", ["logprob_high", "logprob_low"])
+def test_logprob_policy_in_the_grower(policy):
+    # Round 1: the first root child has segment log-prob 4 * -0.25 = -1, the second 4 * -1 = -4.
+    def script(tree, ask, j, k):
+        lp = -0.25 if (tree.depth[ask.node] == 0 and j == 0) else -1.0
+        kind = "eos" if tree.depth[ask.node] >= 1 else "go"
+        return child(ask, j, kind, lp)
+
+    g = grower(cfg(width=8, divergence_policy=policy, logprob_temperature=2.0))
+    drive(g, script)
+    first = g.history[0]
+    assert first.total == 4 and min(first.shares) >= 1
+    # softmax([-1, -4] / 2) = [0.818, 0.182]: x 4 = [3.27, 0.73] -> [3, 1]
+    assert first.shares == ([3, 1] if policy == "logprob_high" else [1, 3])
+    # 4 paths end at depth 2; 4 are missing and none is active: fallback fills the width.
+    assert len(g.tree.trajectories) == 8 and g.stats()["fallbacks"] == 1
+
+
+def test_temperature_may_change_between_rounds():
+    # Every first child has segment log-prob -1, every second -8.
+    c = cfg(width=8, divergence_policy="logprob_high", logprob_temperature=1000.0)
+    g = grower(c)
+
+    def answer(ask):
+        g.receive(ask.request_id, [child(ask, j, "go", -0.25 if j == 0 else -2.0) for j in range(ask.n)])
+
+    answer(*g.asks())
+    asks = g.asks()
+    assert [a.n for a in asks] == [2, 2]  # nearly uniform at T = 1000
+    c.logprob_temperature = 0.1  # a schedule lowers T for the next round
+    for a in asks:
+        answer(a)
+    # softmax([-1, -8, -1, -8] / 0.1) = [.5, 0, .5, 0]: x 8 -> [4, 0, 4, 0], and every path gets one at least
+    assert [a.n for a in g.asks()] == [4, 1, 4, 1]
+
+
+def test_surplus_from_rounding_is_dropped_and_counted():
+    # w = 4; round 1 log-probs -1 and -3 at T = 1: softmax x 4 = [3.52, 0.48] -> [4, 1]: 5 paths for 4 slots.
+    def script(tree, ask, j, k):
+        if tree.depth[ask.node] == 0:
+            return child(ask, j, "go", -0.25 if j == 0 else -0.75)
+        return child(ask, j, "eos")
+
+    g = grower(cfg(width=4, divergence_policy="logprob_high", logprob_temperature=1.0))
+    drive(g, script)
+    t = g.tree
+    assert g.history[0].shares == [4, 1]
+    finished = [n for n in range(len(t)) if t.finish[n] != "none"]
+    assert len(finished) == 5 and len(t.trajectories) == 4 and set(t.trajectories) < set(finished)
+    assert g.stats()["surplus_dropped"] == 1
+    # Rewards propagate over the kept trajectories; the dropped leaf holds no reward and is skipped.
+    t.set_trajectory_rewards([1.0, 0.0, 1.0, 1.0])
+    (dropped,) = set(finished) - set(t.trajectories)
+    assert math.isnan(t.reward[dropped])
+    kept = {n: t.reward[n] for n in t.trajectories}
+    for p in (1, 2):
+        vals = [kept[c] for c in t.children(p) if c in kept]
+        assert t.reward[p] == pytest.approx(sum(vals) / len(vals)) if vals else math.isnan(t.reward[p])
+
+
+# ---- fallback -----------------------------------------------------------------------------------------------------
+
+
+def fallback_tree(kinds: dict[int, str], policy: str = "finished_first", seed: int = 0):
+    # w = 8: round 1 branches 2 paths into 4 (nodes 3, 4 under 1; 5, 6 under 2), which all end at depth 2.
+    c = cfg(width=8, fallback_policy=policy)
+    g = grower(c, seed)
+    batches = drive(g, by_round({2: kinds, 3: {k: "eos" for k in range(8)}}))
+    return g, batches
+
+
+def test_fallback_from_most_recently_finished_boxed_or_eos_path():
+    g, batches = fallback_tree({0: "eos", 1: "rep", 2: "boxed", 3: "rep"})
+    t = g.tree
+    assert [t.finish[n] for n in (3, 4, 5, 6)] == ["eos", "repetition", "boxed", "repetition"]
+    assert g.fallback_candidates() == [3, 5, 7, 9]  # the fallback children end like round 2: eos, rep, boxed, rep
+    (fb,) = batches[2]
+    # Most recently finished qualifying path: node 5; branch from the end of the segment before it (node 2).
+    assert (fb.node, fb.n) == (2, 4)
+    assert g.stats()["fallbacks"] == 1
+    assert [t.parent[n] for n in (7, 8, 9, 10)] == [2, 2, 2, 2] and t.depth[7] == 2
+    assert len(t.trajectories) == 8 and sorted(t.trajectories) == [3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_random_fallback_picks_only_qualifying_paths():
+    points = set()
+    for seed in range(30):
+        g, batches = fallback_tree({0: "eos", 1: "rep", 2: "boxed", 3: "rep"}, "random", seed)
+        (fb,) = batches[2]
+        points.add(fb.node)
+        assert len(g.tree.trajectories) == 8
+    assert points == {1, 2}  # parents of the eos (3) and boxed (5) leaves, never of the repetitive ones
+
+
+def test_fallback_from_the_prompt_when_no_path_qualifies():
+    g, batches = fallback_tree({k: "rep" for k in range(4)})
+    (fb,) = batches[2]
+    assert (fb.node, fb.n, fb.max_new_tokens) == (0, 4, 4)
+    assert len(g.tree.trajectories) == 8
+
+
+def test_boxed_answer_without_eos_qualifies_for_fallback():
+    # require_eos_after_boxed: node 1 holds a box but goes on; its child (node 2) stops on repetition. That path
+    # holds a boxed answer, so fallback branches from node 1, before the repetitive segment.
+    c = cfg(width=4, init_divergence=1, branch_factor=1, require_eos_after_boxed=True)
+    g = grower(c)
+    batches = drive(g, by_round({1: {0: "box"}, 2: {0: "rep"}, 3: {k: "eos" for k in range(4)}}))
+    t = g.tree
+    assert t.finish[1] == "none" and t.finish[2] == "repetition"
+    (fb,) = batches[2]
+    assert (fb.node, fb.n) == (1, 3)
+    assert len(t.trajectories) == 4
+
+
+def test_no_fallback_while_a_path_is_active():
+    # b = 1, w = 8: one root child ends at depth 1, the other path (2 children from then on) goes on to depth 5.
+    # The tree is far short of w all along, but fallback waits until no path is active.
+    c = cfg(width=8, init_divergence=2, branch_factor=1, max_depth=5)
+    g = grower(c)
+    batches = drive(g, by_round({1: {0: "eos"}}))
+    assert [(s.depth, s.finished, s.active, s.total) for s in g.history[:5]] == [
+        (1, 1, 1, 2), (2, 1, 2, 2), (3, 1, 2, 2), (4, 1, 2, 2), (5, 3, 0, 0)
+    ]
+    # Then one fallback from the prompt (parent of the EOS leaf, node 1) for the 5 missing trajectories.
+    assert (batches[5][0].node, batches[5][0].n) == (0, 5) and g.stats()["fallbacks"] == 1
+    assert len(g.tree.trajectories) == 8
+
+
+# ---- width, depth, determinism ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit, reason", [(100, "max_depth"), (None, "max_length")])
+def test_max_depth_ends_every_path_then_fallback_from_prompt(limit, reason):
+    # With the default limit d * l = 12 tokens a full path hits both limits; max_length is checked first.
+    g = grower(cfg(max_depth=3, max_response_len=limit))
+    drive(g, by_round({}))
+    t = g.tree
+    assert max(t.depth) == 3 and len(t.trajectories) == 16
+    assert all(t.finish[n] == reason and t.depth[n] == 3 for n in t.trajectories)
+    # 8 paths reach depth 3; max_depth paths do not qualify, so the other 8 come from the prompt.
+    assert g.stats()["fallbacks"] == 1 and len(t.children(0)) == 2 + 8
+
+
+def test_max_response_len_caps_the_last_segment():
+    g = grower(cfg(width=2, init_divergence=2, max_response_len=10))
+    batches = drive(g, by_round({}))
+    assert [a.max_new_tokens for b in batches for a in b] == [4, 4, 4, 2, 2]
+    t = g.tree
+    assert all(t.finish[n] == "max_length" and len(t.response_ids(n)) == 10 for n in t.trajectories)
+
+
+def test_same_seed_same_tree_and_arrival_order_does_not_matter():
+    def script(tree, ask, j, k):
+        r = np.random.default_rng([ask.seed, j]).random()
+        kind = "eos" if r < 0.25 else "rep" if r < 0.35 else "go"
+        return child(ask, j, kind, lp=-float(r))
+
+    def grow(seed, reverse=False, policy="uniform"):
+        g = grower(cfg(max_depth=6, divergence_policy=policy, fallback_policy="random"), seed)
+        drive(g, script, reverse=reverse)
+        return g.tree
+
+    for policy in ("uniform", "logprob_low"):
+        a, b = grow(7, policy=policy), grow(7, policy=policy)
+        assert a.to_dict() == b.to_dict()
+        assert canonical(grow(7, reverse=True, policy=policy)) == canonical(a)
+        assert len(a.trajectories) == 16
+    assert grow(8).to_dict() != grow(7).to_dict()
+
+
+def test_ask_seeds_are_distinct_and_ids_carry_the_query():
+    g = grower(cfg(max_depth=4))
+    batches = drive(g, by_round({}))
+    asks = [a for b in batches for a in b]
+    assert len({a.seed for a in asks}) == len(asks)
+    assert [a.request_id for a in asks] == [f"q/{i}" for i in range(len(asks))]
+
+
+def test_json_round_trip_of_a_grown_tree():
+    g, _ = fallback_tree({0: "eos", 1: "rep", 2: "boxed", 3: "rep"})
+    t = g.tree
+    t.set_trajectory_rewards([1.0] * 8)
+    back = Tree.from_json(t.to_json())
+    assert back == t and back.meta["growth"]["fallbacks"] == 1
+
+
+def test_propagate_rewards_on_a_grown_tree():
+    # w = 4: nodes 1, 2 at depth 1; 3, 4 under 1 and 5, 6 under 2 all end with EOS.
+    g = grower(cfg(width=4))
+    drive(g, by_round({2: {k: "eos" for k in range(4)}}))
+    t = g.tree
+    assert t.trajectories == [3, 4, 5, 6] and t.children(1) == [3, 4] and t.children(2) == [5, 6]
+    t.set_trajectory_rewards([1.0, 0.0, 1.0, 1.0])
+    assert t.reward[1] == 0.5 and t.reward[2] == 1.0 and t.reward[0] == 0.75
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(init_divergence=17), "init_divergence 17 exceeds width"),
+        (dict(init_divergence_min=2), "set together"),
+        (dict(init_divergence_min=4, init_divergence_max=3), "init_divergence_min <= init_divergence_max"),
+        (dict(divergence_policy="greedy"), "divergence_policy"),
+        (dict(fallback_policy="bfs"), "fallback_policy"),
+        (dict(width=0), "width must be > 0"),
+        (dict(logprob_temperature=0.0), "logprob_temperature"),
+        (dict(max_response_len=-1), "max_response_len"),
+    ],
+)
+def test_bad_config_is_rejected(kw, message):
+    with pytest.raises(ValueError, match=message):
+        cfg(**kw)
+
+
+def test_bad_results_are_rejected():
+    g = grower(cfg())
+    with pytest.raises(ValueError, match="not yet returned"):
+        g.receive("q/0", [])
+    (root,) = g.asks()
+    with pytest.raises(ValueError, match="never issued"):
+        g.receive("q/99", [])
+    with pytest.raises(ValueError, match="asked for 2 children, got 1"):
+        g.receive(root.request_id, [child(root, 0)])
+    with pytest.raises(ValueError, match="finish_reason 'stop'"):
+        g.receive(root.request_id, [Child([11], [0.0], "stop")] * 2)
+    with pytest.raises(ValueError, match="5 tokens > max_new_tokens 4"):
+        g.receive(root.request_id, [Child([11] * 5, [0.0] * 5, "length")] * 2)
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        g.receive(root.request_id, [Child([11, 12], [0.0], "length")] * 2)
+    assert len(g.tree) == 1  # nothing was added by the rejected results
+    g.receive(root.request_id, [child(root, 0), child(root, 1)])
+    with pytest.raises(ValueError, match="already received"):
+        g.receive(root.request_id, [child(root, 0), child(root, 1)])
+
+
+def test_grower_needs_a_fresh_tree_and_a_valid_seed():
+    t = Tree(prompt_ids=[1])
+    t.add_node(0, [2], [0.0])
+    with pytest.raises(ValueError, match="only the prompt"):
+        TreePOGrower(t, cfg(), eos_token_id=EOS, decode=decode, seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        TreePOGrower(Tree(prompt_ids=[1]), cfg(), eos_token_id=EOS, decode=decode, seed=-1)

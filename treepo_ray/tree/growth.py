@@ -1,0 +1,243 @@
+"""What every growth state machine shares: the request/result types, the early-stop checks, the Grower base.
+
+A grower owns one prompt's Tree. It emits `Ask`s (sample `n` children continuing one node) and consumes the
+`Child`ren an engine returned for them; a driver in the engines layer turns asks into engine requests. Growers
+never call an engine themselves, so they are pure bookkeeping and can be tested with a scripted engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from treepo_ray.tree.tree import FINISH_REASONS, Tree
+
+BOXED = "\\boxed{"
+
+
+@dataclass
+class Ask:
+    """A request for children of one node."""
+
+    request_id: str
+    """Unique within the grower: f"{tree.query_id}/{counter}"."""
+    node: int
+    """Children continue tree.prefix_ids(node) (node 0 = the prompt)."""
+    n: int
+    """How many children to sample from that node."""
+    max_new_tokens: int
+    """Length cap of each child segment (the segment length, or less near the response limit)."""
+    seed: int
+    """Seed of the request's random stream, derived from the grower's seed and the ask counter."""
+
+
+@dataclass
+class Child:
+    """One sampled continuation, as the engine returned it."""
+
+    token_ids: list[int]
+    """Generated token ids (an EOS, if any, is the last one)."""
+    logprobs: list[float]
+    """Sampling log-prob of each token."""
+    finish_reason: str
+    """'eos' (ended with the EOS token) or 'length' (reached max_new_tokens)."""
+
+
+def has_complete_boxed(text: str) -> bool:
+    r"""True if `text` holds a `\boxed{...}` whose braces close (nested braces balanced)."""
+    start = text.find(BOXED)
+    while start >= 0:
+        depth = 1
+        for ch in text[start + len(BOXED) :]:
+            depth += (ch == "{") - (ch == "}")
+            if depth == 0:
+                return True
+        start = text.find(BOXED, start + 1)
+    return False
+
+
+def has_repetition(text: str, substr_len: int, min_count: int) -> bool:
+    """True if some substring of `substr_len` characters occurs `min_count` or more times (overlaps count)."""
+    if substr_len <= 0 or min_count <= 0 or len(text) < substr_len:
+        return False
+    counts = Counter(text[i : i + substr_len] for i in range(len(text) - substr_len + 1))
+    return max(counts.values()) >= min_count
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """The early-stop checks of a grower, applied in this order: boxed, eos, max_length, max_depth, repetition."""
+
+    max_depth: int
+    """A node at this depth ends its path ('max_depth')."""
+    max_response_len: int
+    """A path whose response holds this many tokens or more ends ('max_length')."""
+    check_boxed: bool = True
+    r"""A complete \boxed{...} in the response so far ends the path ('boxed')."""
+    require_eos_after_boxed: bool = False
+    """Count a boxed answer only when the path also ended with EOS."""
+    repetition_substr_len: int = 0
+    """Length in characters of the repeated substring looked for in the new segment's text (0 = no check)."""
+    repetition_min_count: int = 0
+    """How often that substring must occur, overlaps counted, to end the path ('repetition'; 0 = no check)."""
+
+    def classify(self, tree: Tree, node: int, ended_with_eos: bool, decode: Callable[[list[int]], str]) -> tuple[str, bool]:
+        """Finish reason of a freshly added node ('none' = it continues) and whether its response holds a box."""
+        boxed = self.check_boxed and has_complete_boxed(decode(tree.response_ids(node)))
+        if boxed and (ended_with_eos or not self.require_eos_after_boxed):
+            return "boxed", boxed
+        if ended_with_eos:
+            return "eos", boxed
+        if len(tree.response_ids(node)) >= self.max_response_len:
+            return "max_length", boxed
+        if tree.depth[node] >= self.max_depth:
+            return "max_depth", boxed
+        if has_repetition(decode(tree.tokens[node]), self.repetition_substr_len, self.repetition_min_count):
+            return "repetition", boxed
+        return "none", boxed
+
+
+def check_positive(owner: str, **fields: int | float) -> None:
+    """Raise ValueError naming the first field that is not > 0."""
+    for name, value in fields.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
+
+
+class Grower:
+    """Base of the growth state machines: ask bookkeeping, result validation, early stops, statistics.
+
+    Subclasses implement `_start()` (first asks) and `_grow(ask, nodes)` (react to the children of one ask).
+    """
+
+    def __init__(self, tree: Tree, rules: StopRules, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int):
+        if len(tree) != 1:
+            raise ValueError(f"a grower needs a tree holding only the prompt, got {len(tree)} nodes")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.tree = tree
+        self.rules = rules
+        self.eos_token_id = eos_token_id
+        self.decode = decode
+        self.seed = int(seed)
+        # Every random choice of the grower comes from this generator; ask seeds come from SeedSequence
+        # ([seed, counter]) instead, so they do not depend on how many choices were drawn before.
+        self.rng = np.random.default_rng(self.seed)
+        self._counter = 0
+        self._ready: list[Ask] = []
+        self._outstanding: dict[str, Ask] = {}
+        self._issued: set[str] = set()
+        self._order: dict[int, tuple[int, int]] = {}  # node -> (ask counter, child index): arrival-independent order
+        self._holds_box: dict[int, bool] = {}
+        self._finished: list[int] = []  # trajectory ends in the order they were registered
+        self._done = False
+        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "surplus_dropped": 0}
+        for reason in FINISH_REASONS[1:]:
+            self._stats[f"finish/{reason}"] = 0
+
+    # ---- interface used by the driver -------------------------------------------------------------------------
+
+    def asks(self) -> list[Ask]:
+        """Every request that is ready now; each is returned exactly once."""
+        out, self._ready = self._ready, []
+        for ask in out:
+            self._outstanding[ask.request_id] = ask
+        return out
+
+    def receive(self, request_id: str, children: list[Child]) -> list[int]:
+        """Add the children of one ask as nodes (classified by the early-stop rules); return their ids in order."""
+        ask = self._outstanding.get(request_id)
+        if ask is None:
+            if request_id not in self._issued:
+                raise ValueError(f"request {request_id!r} was never issued by this grower")
+            if any(a.request_id == request_id for a in self._ready):
+                raise ValueError(f"request {request_id!r} was not yet returned by asks()")
+            raise ValueError(f"request {request_id!r} was already received")
+        if len(children) != ask.n:
+            raise ValueError(f"request {request_id!r} asked for {ask.n} children, got {len(children)}")
+        for j, c in enumerate(children):
+            if c.finish_reason not in ("eos", "length"):
+                raise ValueError(f"request {request_id!r} child {j}: finish_reason {c.finish_reason!r} is not 'eos' or 'length'")
+            if len(c.token_ids) != len(c.logprobs):
+                raise ValueError(f"request {request_id!r} child {j}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
+            if len(c.token_ids) > ask.max_new_tokens:
+                raise ValueError(f"request {request_id!r} child {j}: {len(c.token_ids)} tokens > max_new_tokens {ask.max_new_tokens}")
+        del self._outstanding[request_id]
+        seq = int(request_id.rsplit("/", 1)[1])
+        nodes = []
+        for j, c in enumerate(children):
+            node = self.tree.add_node(ask.node, c.token_ids, c.logprobs)
+            eos = c.finish_reason == "eos" or (len(c.token_ids) > 0 and c.token_ids[-1] == self.eos_token_id)
+            reason, box = self.rules.classify(self.tree, node, eos, self.decode)
+            self.tree.finish[node] = reason
+            self._holds_box[node] = box
+            self._order[node] = (seq, j)
+            nodes.append(node)
+        self._stats["segments"] += len(nodes)
+        self._grow(ask, nodes)
+        return nodes
+
+    def done(self) -> bool:
+        """No ask outstanding and none will come; tree.trajectories is final."""
+        return self._done
+
+    def stats(self) -> dict:
+        """Counters: asks, segments, branches (asks with n >= 2), fallbacks, finish/<reason>, surplus_dropped,
+        max_depth_reached, trajectories."""
+        out = dict(self._stats)
+        out["max_depth_reached"] = max(self.tree.depth)
+        out["trajectories"] = len(self.tree.trajectories)
+        return out
+
+    # ---- helpers for subclasses -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _grow(self, ask: Ask, nodes: list[int]) -> None:
+        raise NotImplementedError
+
+    def _ask(self, node: int, n: int, segment_len: int) -> Ask:
+        """Queue a request for `n` children of `node`, each at most `segment_len` tokens and within the limit."""
+        left = self.rules.max_response_len - len(self.tree.response_ids(node))
+        if n < 1 or left < 1:
+            raise AssertionError(f"bug: ask for {n} children of node {node} with {left} tokens left")
+        seed = int(np.random.SeedSequence([self.seed, self._counter]).generate_state(1)[0] & 0x7FFFFFFF)
+        ask = Ask(f"{self.tree.query_id}/{self._counter}", int(node), int(n), int(min(segment_len, left)), seed)
+        self._counter += 1
+        self._ready.append(ask)
+        self._issued.add(ask.request_id)
+        self._stats["asks"] += 1
+        self._stats["branches"] += n >= 2
+        return ask
+
+    def _sorted(self, nodes: list[int]) -> list[int]:
+        """Nodes in ask order then child order, whatever order the results arrived in."""
+        return sorted(nodes, key=self._order.__getitem__)
+
+    def _address(self, node: int) -> list[int]:
+        """Child index at each step from the root to `node`: sorts paths depth-first, whatever the arrival order."""
+        return [self._order[m][1] for m in self.tree.path(node)]
+
+    def _finish(self, node: int) -> None:
+        """Register a finished node as a trajectory end."""
+        self._finished.append(node)
+        self.tree.trajectories.append(node)
+        self._stats[f"finish/{self.tree.finish[node]}"] += 1
+
+    def _idle(self) -> bool:
+        return not self._ready and not self._outstanding
+
+    def _close(self, keep: int | None = None) -> None:
+        """Final trajectories: every finished node, `keep` of them at most (the surplus dropped at random)."""
+        ends = list(self._finished)
+        if keep is not None and len(ends) > keep:
+            drop = set(int(i) for i in self.rng.choice(len(ends), size=len(ends) - keep, replace=False))
+            ends = [n for i, n in enumerate(ends) if i not in drop]
+            self._stats["surplus_dropped"] += len(drop)
+        self.tree.trajectories = ends
+        self._done = True
+        self.tree.meta["growth"] = self.stats()

@@ -1,0 +1,220 @@
+"""TreePO segment-tree growth (TreePO paper, Algorithm 1; the issue text pins down the numbers).
+
+One prompt's tree grows in depth rounds. The root first branches into `init_divergence` children. When every
+active path of the round has returned its segment, each new node is classified by the early-stop rules (boxed,
+eos, max_length, max_depth, repetition, in that order); finished nodes become trajectories. The surviving
+(active) paths then share the round's branching budget:
+
+    remaining = max(w - finished, 0)
+    total     = max(min(remaining, b * (finished_now + active)), active)
+
+i.e. each path grown this round is worth b branches, the budget of the paths that just finished is transferred
+to the survivors, the tree never widens past w, and every active path continues with at least one child.
+
+Depth-first fallback: only when the prompt has no active path left and fewer than w trajectories, a finished
+path that holds a boxed answer or ended on EOS is branched again from the end of the segment *before* its last
+one (its last node's parent: "the segment before termination", so the new children are alternatives to the
+terminal segment), asking for the missing number of children; from the prompt when no path qualifies. The new
+paths then grow like any active path. The prompt ends with exactly w trajectories (any surplus, which only the
+rounding of log-prob allocation can create, is dropped at random and counted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from treepo_ray.tree.growth import Ask, Grower, StopRules, check_positive
+from treepo_ray.tree.tree import Tree
+
+DIVERGENCE_POLICIES = ("uniform", "logprob_high", "logprob_low")
+FALLBACK_POLICIES = ("finished_first", "random")
+
+
+@dataclass
+class TreePOConfig:
+    """TreePO tree sampling."""
+
+    width: int = 16
+    """w: trajectories per prompt at the end (the group size)."""
+    max_depth: int = 14
+    """d: most segments on one path; a node at this depth ends its path."""
+    segment_len: int = 512
+    """l: most tokens generated per segment."""
+    init_divergence: int = 2
+    """Children of the root when init_divergence_min/max are unset."""
+    init_divergence_min: int | None = None
+    """With init_divergence_max: draw the root's children per prompt uniformly from [min, max]."""
+    init_divergence_max: int | None = None
+    """Upper end (inclusive) of the random initial divergence."""
+    branch_factor: int = 2
+    """b: branches each path of a round is worth in the budget."""
+    divergence_policy: str = "uniform"
+    """How the budget is spread over active paths: 'uniform', 'logprob_high' or 'logprob_low'."""
+    logprob_temperature: float = 2.0
+    """T of softmax(+-segment log-prob / T); the caller may change it between rounds for a schedule."""
+    require_eos_after_boxed: bool = False
+    """A boxed answer ends a path only if the path also ended with EOS."""
+    max_response_len: int | None = None
+    """Response token limit ('max_length'); 0 or None = max_depth * segment_len."""
+    repetition_substr_len: int = 32
+    """Characters of the repeated substring looked for in each new segment's text (0 = no repetition check)."""
+    repetition_min_count: int = 8
+    """Occurrences (overlaps counted) of that substring that end the path as 'repetition' (0 = no check)."""
+    fallback_policy: str = "finished_first"
+    """Which finished path fallback branches from: 'finished_first' (most recently finished) or 'random'."""
+
+    def __post_init__(self) -> None:
+        check_positive("TreePOConfig", width=self.width, max_depth=self.max_depth, segment_len=self.segment_len,
+                       init_divergence=self.init_divergence, branch_factor=self.branch_factor,
+                       logprob_temperature=self.logprob_temperature)
+        if (self.init_divergence_min is None) != (self.init_divergence_max is None):
+            raise ValueError("TreePOConfig.init_divergence_min and init_divergence_max must be set together")
+        if self.init_divergence_min is not None:
+            if not 1 <= self.init_divergence_min <= self.init_divergence_max <= self.width:
+                raise ValueError(
+                    "TreePOConfig needs 1 <= init_divergence_min <= init_divergence_max <= width, got "
+                    f"{self.init_divergence_min}, {self.init_divergence_max}, {self.width}"
+                )
+        elif self.init_divergence > self.width:
+            raise ValueError(f"TreePOConfig.init_divergence {self.init_divergence} exceeds width {self.width}")
+        if self.divergence_policy not in DIVERGENCE_POLICIES:
+            raise ValueError(f"TreePOConfig.divergence_policy {self.divergence_policy!r} is not one of {DIVERGENCE_POLICIES}")
+        if self.fallback_policy not in FALLBACK_POLICIES:
+            raise ValueError(f"TreePOConfig.fallback_policy {self.fallback_policy!r} is not one of {FALLBACK_POLICIES}")
+        if self.max_response_len is not None and self.max_response_len < 0:
+            raise ValueError(f"TreePOConfig.max_response_len must be >= 0, got {self.max_response_len}")
+        if self.repetition_substr_len < 0 or self.repetition_min_count < 0:
+            raise ValueError("TreePOConfig.repetition_substr_len and repetition_min_count must be >= 0")
+
+    def response_limit(self) -> int:
+        return self.max_response_len or self.max_depth * self.segment_len
+
+    def stop_rules(self) -> StopRules:
+        return StopRules(
+            max_depth=self.max_depth,
+            max_response_len=self.response_limit(),
+            require_eos_after_boxed=self.require_eos_after_boxed,
+            repetition_substr_len=self.repetition_substr_len,
+            repetition_min_count=self.repetition_min_count,
+        )
+
+
+def branch_budget(width: int, branch_factor: int, finished: int, finished_now: int, active: int) -> int:
+    """Children to ask for this round (issue 2's budget transfer).
+
+    `finished`: trajectories of the prompt so far (this round's included); `finished_now`: paths that finished in
+    this round; `active`: paths of this round that go on.
+    """
+    remaining = max(width - finished, 0)
+    return max(min(remaining, branch_factor * (finished_now + active)), active)
+
+
+def allocate_uniform(total: int, active: int, rng: np.random.Generator) -> list[int]:
+    """Spread `total` evenly over `active` paths; the remainder goes, one each, to randomly chosen paths."""
+    base, extra = divmod(total, active)
+    shares = [base] * active
+    for i in rng.choice(active, size=extra, replace=False):
+        shares[int(i)] += 1
+    return shares
+
+
+def allocate_logprob(total: int, segment_logprobs: list[float], temperature: float, sign: float) -> list[int]:
+    """Path k gets max(1, round(p_k * total)) with p = softmax(sign * logprob / T) (TreePO section 4.4).
+
+    Rounding is half-up. The shares may sum to a little more or less than `total`: less is made up by fallback,
+    more is dropped as surplus at the end.
+    """
+    if not temperature > 0:
+        raise ValueError(f"logprob_temperature must be > 0, got {temperature}")
+    z = sign * np.asarray(segment_logprobs, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return [max(1, math.floor(float(pk) * total + 0.5)) for pk in p]
+
+
+@dataclass
+class BudgetStep:
+    """What one depth round decided (kept for inspection and tests)."""
+
+    depth: int
+    """Depth of the round's new nodes."""
+    finished: int
+    """Trajectories of the prompt after this round."""
+    finished_now: int
+    """Paths that finished in this round."""
+    active: int
+    """Paths of this round that go on."""
+    total: int
+    """Budget from branch_budget (0 when no path is active)."""
+    shares: list[int]
+    """Children asked of each active path, in node order (empty when no path is active)."""
+
+
+class TreePOGrower(Grower):
+    """Grows one prompt's TreePO tree; see the module docstring for the rules."""
+
+    def __init__(self, tree: Tree, cfg: TreePOConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int):
+        super().__init__(tree, cfg.stop_rules(), eos_token_id=eos_token_id, decode=decode, seed=seed)
+        self.cfg = cfg
+        self._round: list[int] = []
+        self.history: list[BudgetStep] = []
+        if cfg.init_divergence_min is not None:
+            self.init_divergence = int(self.rng.integers(cfg.init_divergence_min, cfg.init_divergence_max + 1))
+        else:
+            self.init_divergence = cfg.init_divergence
+        self._stats["init_divergence"] = self.init_divergence
+        self._stats["rounds"] = 0
+        self._ask(0, self.init_divergence, cfg.segment_len)
+
+    def _grow(self, ask: Ask, nodes: list[int]) -> None:
+        self._round.extend(nodes)
+        # The round ends when every active path of the prompt has returned its segment.
+        if self._idle():
+            self._end_round()
+
+    def _end_round(self) -> None:
+        cfg = self.cfg
+        nodes, self._round = self._sorted(self._round), []
+        self._stats["rounds"] += 1
+        active = [n for n in nodes if self.tree.finish[n] == "none"]
+        finished_now = [n for n in nodes if self.tree.finish[n] != "none"]
+        for n in finished_now:
+            self._finish(n)
+        finished = len(self._finished)
+        depth = self.tree.depth[nodes[0]]
+        if active:
+            total = branch_budget(cfg.width, cfg.branch_factor, finished, len(finished_now), len(active))
+            if cfg.divergence_policy == "uniform":
+                shares = allocate_uniform(total, len(active), self.rng)
+            else:
+                sign = 1.0 if cfg.divergence_policy == "logprob_high" else -1.0
+                seg_lp = [sum(self.tree.logprobs[n]) for n in active]  # log-prob of the whole segment
+                shares = allocate_logprob(total, seg_lp, cfg.logprob_temperature, sign)
+            self.history.append(BudgetStep(depth, finished, len(finished_now), len(active), total, shares))
+            for n, k in zip(active, shares):
+                self._ask(n, k, cfg.segment_len)
+            return
+        self.history.append(BudgetStep(depth, finished, len(finished_now), 0, 0, []))
+        if finished < cfg.width:
+            self._fallback(cfg.width - finished)
+        else:
+            self._close(keep=cfg.width)
+
+    def fallback_candidates(self) -> list[int]:
+        """Finished trajectory ends that fallback may branch from (boxed answer or EOS), oldest first."""
+        return [n for n in self._finished if self._holds_box[n] or self.tree.finish[n] in ("boxed", "eos")]
+
+    def _fallback(self, missing: int) -> None:
+        candidates = self.fallback_candidates()
+        if not candidates:
+            point = 0
+        elif self.cfg.fallback_policy == "finished_first":
+            point = self.tree.parent[candidates[-1]]
+        else:
+            point = self.tree.parent[candidates[int(self.rng.integers(len(candidates)))]]
+        self._stats["fallbacks"] += 1
+        self._ask(point, missing, self.cfg.segment_len)
