@@ -84,7 +84,9 @@ class StopRules:
     repetition_min_count: int = 0
     """How often that substring must occur, overlaps counted, to end the path ('repetition'; 0 = no check)."""
 
-    def classify(self, tree: Tree, node: int, ended_with_eos: bool, decode: Callable[[list[int]], str]) -> tuple[str, bool]:
+    def classify(
+        self, tree: Tree, node: int, ended_with_eos: bool, decode: Callable[[list[int]], str]
+    ) -> tuple[str, bool]:
         """Finish reason of a freshly added node ('none' = it continues) and whether its response holds a box."""
         boxed = self.check_boxed and has_complete_boxed(decode(tree.response_ids(node)))
         if boxed and (ended_with_eos or not self.require_eos_after_boxed):
@@ -110,10 +112,13 @@ def check_positive(owner: str, **fields: int | float) -> None:
 class Grower:
     """Base of the growth state machines: ask bookkeeping, result validation, early stops, statistics.
 
-    Subclasses implement `_start()` (first asks) and `_grow(ask, nodes)` (react to the children of one ask).
+    Subclasses queue their first asks in their constructor and implement `_grow(ask, nodes)`, which reacts to the
+    children of one ask (finish them, ask for more, or close the tree).
     """
 
-    def __init__(self, tree: Tree, rules: StopRules, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int):
+    def __init__(
+        self, tree: Tree, rules: StopRules, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int
+    ):
         if len(tree) != 1:
             raise ValueError(f"a grower needs a tree holding only the prompt, got {len(tree)} nodes")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -130,6 +135,7 @@ class Grower:
         self._ready: list[Ask] = []
         self._outstanding: dict[str, Ask] = {}
         self._issued: set[str] = set()
+        self._seq: dict[str, int] = {}  # request id -> ask counter
         self._order: dict[int, tuple[int, int]] = {}  # node -> (ask counter, child index): arrival-independent order
         self._holds_box: dict[int, bool] = {}
         self._finished: list[int] = []  # trajectory ends in the order they were registered
@@ -159,14 +165,15 @@ class Grower:
         if len(children) != ask.n:
             raise ValueError(f"request {request_id!r} asked for {ask.n} children, got {len(children)}")
         for j, c in enumerate(children):
+            where = f"request {request_id!r} child {j}"
             if c.finish_reason not in ("eos", "length"):
-                raise ValueError(f"request {request_id!r} child {j}: finish_reason {c.finish_reason!r} is not 'eos' or 'length'")
+                raise ValueError(f"{where}: finish_reason {c.finish_reason!r} is not 'eos' or 'length'")
             if len(c.token_ids) != len(c.logprobs):
-                raise ValueError(f"request {request_id!r} child {j}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
+                raise ValueError(f"{where}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
             if len(c.token_ids) > ask.max_new_tokens:
-                raise ValueError(f"request {request_id!r} child {j}: {len(c.token_ids)} tokens > max_new_tokens {ask.max_new_tokens}")
+                raise ValueError(f"{where}: {len(c.token_ids)} tokens > max_new_tokens {ask.max_new_tokens}")
         del self._outstanding[request_id]
-        seq = int(request_id.rsplit("/", 1)[1])
+        seq = self._seq[request_id]
         nodes = []
         for j, c in enumerate(children):
             node = self.tree.add_node(ask.node, c.token_ids, c.logprobs)
@@ -185,17 +192,15 @@ class Grower:
         return self._done
 
     def stats(self) -> dict:
-        """Counters: asks, segments, branches (asks with n >= 2), fallbacks, finish/<reason>, surplus_dropped,
-        max_depth_reached, trajectories."""
+        """Counters: asks, segments (nodes received), branches (asks with n >= 2), fallbacks, finish/<reason> (one
+        per finished node, dropped surplus included), surplus_dropped, max_depth_reached, trajectories; TreePO adds
+        rounds and init_divergence."""
         out = dict(self._stats)
         out["max_depth_reached"] = max(self.tree.depth)
         out["trajectories"] = len(self.tree.trajectories)
         return out
 
     # ---- helpers for subclasses -------------------------------------------------------------------------------
-
-    def _start(self) -> None:
-        raise NotImplementedError
 
     def _grow(self, ask: Ask, nodes: list[int]) -> None:
         raise NotImplementedError
@@ -210,8 +215,9 @@ class Grower:
         self._counter += 1
         self._ready.append(ask)
         self._issued.add(ask.request_id)
+        self._seq[ask.request_id] = self._counter - 1
         self._stats["asks"] += 1
-        self._stats["branches"] += n >= 2
+        self._stats["branches"] += int(n >= 2)
         return ask
 
     def _sorted(self, nodes: list[int]) -> list[int]:

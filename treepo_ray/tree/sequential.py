@@ -57,7 +57,9 @@ class SequentialConfig:
 class SequentialGrower(Grower):
     """Grows G independent paths of one prompt."""
 
-    def __init__(self, tree: Tree, cfg: SequentialConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int):
+    def __init__(
+        self, tree: Tree, cfg: SequentialConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int
+    ):
         super().__init__(tree, cfg.stop_rules(), eos_token_id=eos_token_id, decode=decode, seed=seed)
         self.cfg = cfg
         self._ask(0, cfg.group_size, cfg.segment_len)

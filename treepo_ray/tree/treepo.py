@@ -82,7 +82,9 @@ class TreePOConfig:
         elif self.init_divergence > self.width:
             raise ValueError(f"TreePOConfig.init_divergence {self.init_divergence} exceeds width {self.width}")
         if self.divergence_policy not in DIVERGENCE_POLICIES:
-            raise ValueError(f"TreePOConfig.divergence_policy {self.divergence_policy!r} is not one of {DIVERGENCE_POLICIES}")
+            raise ValueError(
+                f"TreePOConfig.divergence_policy {self.divergence_policy!r} is not one of {DIVERGENCE_POLICIES}"
+            )
         if self.fallback_policy not in FALLBACK_POLICIES:
             raise ValueError(f"TreePOConfig.fallback_policy {self.fallback_policy!r} is not one of {FALLBACK_POLICIES}")
         if self.max_response_len is not None and self.max_response_len < 0:
@@ -157,7 +159,9 @@ class BudgetStep:
 class TreePOGrower(Grower):
     """Grows one prompt's TreePO tree; see the module docstring for the rules."""
 
-    def __init__(self, tree: Tree, cfg: TreePOConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int):
+    def __init__(
+        self, tree: Tree, cfg: TreePOConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int
+    ):
         super().__init__(tree, cfg.stop_rules(), eos_token_id=eos_token_id, decode=decode, seed=seed)
         self.cfg = cfg
         self._round: list[int] = []

@@ -43,7 +43,9 @@ class TreeRPOConfig:
 class TreeRPOGrower(Grower):
     """Grows one prompt's N-ary TreeRPO tree."""
 
-    def __init__(self, tree: Tree, cfg: TreeRPOConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int):
+    def __init__(
+        self, tree: Tree, cfg: TreeRPOConfig, *, eos_token_id: int, decode: Callable[[list[int]], str], seed: int
+    ):
         super().__init__(tree, cfg.stop_rules(), eos_token_id=eos_token_id, decode=decode, seed=seed)
         self.cfg = cfg
         self._ask(0, cfg.n_children, cfg.step_len)
