@@ -1,0 +1,149 @@
+"""Where a run's numbers go: console, `metrics.jsonl`, W&B (offline without a key), Ray dashboard gauges, a PNG.
+
+Metric names are grouped like cleanrl's (`rollout/…`, `tree/…`, `train/…`, `time/…`, `eval/…`). Every step's
+metrics are appended to `<run_dir>/metrics.jsonl` (the notebook and the curve read that file), and a sample of the
+step's trees to `<run_dir>/trees.jsonl` (read by `treepo-ray viz`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The metrics printed on the console line of each step (everything goes to the files, W&B and Ray).
+CONSOLE_KEYS = (
+    "rollout/reward", "rollout/response_len", "train/kl", "train/clip_frac", "train/entropy",
+    "tree/depth_max", "perf/staleness", "perf/traj_per_s", "eval/accuracy",
+)
+
+
+@dataclass
+class LogConfig:
+    """What a run records and where."""
+
+    wandb: bool = True
+    """Log to Weights & Biases (offline, into the run directory, when WANDB_API_KEY is not set)."""
+    wandb_project: str = "treepo-ray"
+    """W&B project name."""
+    trees_per_step: int = 2
+    """How many of each step's trees are appended to trees.jsonl for `treepo-ray viz` (0 = none)."""
+    console_every: int = 1
+    """Print a metrics line every this many steps (0 = never)."""
+    ray_metrics: bool = True
+    """Export each metric as a ray.util.metrics Gauge (visible on the Ray dashboard)."""
+
+
+def _finite(metrics: dict) -> dict:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+class RunLogger:
+    """Fans each step's metrics out to every sink; `close()` draws the training curve."""
+
+    def __init__(self, run_dir: Path, cfg: LogConfig, config_dict: dict, name: str, resume_step: int = 0):
+        self.run_dir, self.cfg = Path(run_dir), cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.trees_path = self.run_dir / "trees.jsonl"
+        if resume_step == 0:  # a fresh run starts fresh files; a resumed one appends
+            for p in (self.metrics_path, self.trees_path):
+                p.unlink(missing_ok=True)
+        self._gauges: dict = {}
+        self._wandb = None
+        if cfg.wandb:
+            if not os.environ.get("WANDB_API_KEY"):
+                os.environ.setdefault("WANDB_MODE", "offline")
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project, name=name, dir=str(self.run_dir),
+                                     config=config_dict, resume="allow", reinit="finish_previous")
+
+    def log(self, step: int, metrics: dict) -> str:
+        """Record `metrics` of `step`; returns the console line (empty when not printed this step)."""
+        values = _finite(metrics)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if self.cfg.ray_metrics:
+            self._set_gauges(values)
+        every = self.cfg.console_every
+        if every and step % every == 0:
+            shown = [f"{k.split('/')[-1]}={values[k]:.3g}" for k in CONSOLE_KEYS if k in values]
+            return f"step {step}: " + " ".join(shown)
+        return ""
+
+    def _set_gauges(self, values: dict) -> None:
+        from ray.util.metrics import Gauge
+
+        for key, v in values.items():
+            name = "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)  # Prometheus names: [a-zA-Z_][a-zA-Z0-9_]*
+            if name not in self._gauges:
+                self._gauges[name] = Gauge(name, description=key)
+            self._gauges[name].set(v)
+
+    def save_trees(self, step: int, trees: list[dict]) -> None:
+        """Append tree dicts (Tree.to_dict plus decoded segment texts) of `step` to trees.jsonl."""
+        with self.trees_path.open("a") as f:
+            for t in trees:
+                f.write(json.dumps({"step": step, **t}) + "\n")
+
+    def summary(self, values: dict) -> None:
+        if self._wandb is not None:
+            for k, v in _finite(values).items():
+                self._wandb.summary[k] = v
+
+    def close(self) -> Path | None:
+        """Finish W&B and draw `training_curve.png`; returns its path (None when no step was logged)."""
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        return plot_curves(self.run_dir)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of `<run_dir>/metrics.jsonl`; a step logged twice (a resumed run) keeps its last row."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+CURVE_PANELS = (
+    ("rollout/reward", "train reward"), ("eval/accuracy", "held-out accuracy"),
+    ("rollout/response_len", "response length"), ("perf/traj_per_s", "trajectories / s"),
+)
+
+
+def plot_curves(run_dir: str | Path) -> Path | None:
+    """Draw the main training curves of a run into `<run_dir>/training_curve.png`."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVE_PANELS), figsize=(4 * len(CURVE_PANELS), 3.2))
+    for ax, (key, title) in zip(axes, CURVE_PANELS):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(run_dir) / "training_curve.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,289 @@
+"""The asynchronous training loop: the actors of one run and the two driver threads that keep them busy.
+
+    producer:  take a slot -> bring the generators up to date -> grow + score trees -> credit -> queue.put(batch)
+    consumer:  queue.get() -> learner step -> publish weights -> return the slot -> log, checkpoint
+
+With max_staleness = s the producer may run up to s batches ahead of the learner: while the learner trains on
+batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
+synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
+samples; weights travel as one ObjectRef (one object-store copy) to every engine.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+
+from treepo_ray.engines.base import SamplingParams, SegmentRequest
+from treepo_ray.runtime.actors import EngineActor, GeneratorPool, LearnerGroup, TreeScheduler, VerifierActor, VerifierPool
+from treepo_ray.runtime.batch import build_samples, keep_tree, tree_metrics
+from treepo_ray.runtime.config import TrainConfig
+from treepo_ray.tree import Tree
+
+DONE = None  # end-of-stream sentinel on the batch queue
+
+
+@dataclass
+class RolloutBatch:
+    """One step's training batch as it waits in the queue: metadata plus an ObjectRef of the samples."""
+
+    step: int
+    """Training step (0-based) this batch is for."""
+    version: int
+    """Weights version (training steps done) the generators ran while growing it."""
+    samples: object
+    """ObjectRef of list[TrainSample] in the object store."""
+    num_samples: int
+    """Samples in the batch (0: every prompt was filtered out; the step trains on nothing)."""
+    data_position: int
+    """Prompts of the training stream consumed once this batch is trained on (saved in checkpoints)."""
+    metrics: dict = field(default_factory=dict)
+    trees: list[dict] = field(default_factory=list)
+    """A few of the batch's trees with decoded texts, for trees.jsonl."""
+
+
+class PromptStream:
+    """Training prompts in a reproducible order: epoch e is a permutation seeded by (seed, e). `position` counts the
+    prompts handed out, so a resumed run continues exactly where its checkpoint says."""
+
+    def __init__(self, records: list[dict], seed: int, shuffle: bool = True, position: int = 0):
+        if not records:
+            raise ValueError("the training set is empty")
+        self.records, self.seed, self.shuffle, self.position = records, seed, shuffle, position
+        self._epoch, self._order = -1, np.arange(0)
+
+    def take(self, n: int) -> list[dict]:
+        """The next `n` prompts; each gets a unique id (`<id>#<position>`) and a seed derived from its position."""
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.records))
+            if epoch != self._epoch:
+                self._epoch = epoch
+                rng = np.random.default_rng([self.seed, epoch])
+                self._order = rng.permutation(len(self.records)) if self.shuffle else np.arange(len(self.records))
+            rec = self.records[int(self._order[i])]
+            seed = int(np.random.SeedSequence([self.seed, self.position]).generate_state(1)[0] & 0x7FFFFFFF)
+            out.append({**rec, "id": f"{rec['id']}#{self.position}", "seed": seed})
+            self.position += 1
+        return out
+
+
+class Pipeline:
+    """The actors of one run (generator pool, schedulers, verifiers, learner group) and the loop over them."""
+
+    def __init__(self, cfg: TrainConfig, model_path: str, tokenizer):
+        rt = cfg.runtime
+        self.cfg, self.tokenizer = cfg, tokenizer
+        engines = [EngineActor.options(num_cpus=rt.engine_cpus, num_gpus=rt.engine_gpus)
+                   .remote(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads)
+                   for _ in range(rt.num_engines)]
+        self.pool = GeneratorPool(engines)
+        self.verifiers = VerifierPool([VerifierActor.options(num_cpus=rt.verifier_cpus).remote(rt.verifier_timeout_s)
+                                       for _ in range(rt.num_verifiers)])
+        sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        # Schedulers mostly wait on engines and verifiers, so they reserve no CPU.
+        self.schedulers = [TreeScheduler.options(num_cpus=0).remote(self.pool, self.verifiers, model_path,
+                                                                   cfg.algo.sampler, cfg.sampler_config, sampling)
+                           for _ in range(rt.num_schedulers)]
+        self.learner = LearnerGroup(model_path, cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
+                                    rt.torch_threads)
+        self.engine_version = 0
+        self.eval_set: list[dict] = []
+        self.eval_tokens = 0
+        self._published: tuple[int, object] = (0, None)  # newest (version, weights ObjectRef) of the learner
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def publish(self, version: int) -> None:
+        """Make the learner's current weights the newest version (one object-store copy, not yet sent)."""
+        ref = self.learner.export_weights()
+        with self._lock:
+            self._published = (version, ref)
+
+    def sync_weights(self, min_version: int = 0) -> float:
+        """Load the newest published weights into every engine if they run older ones; returns seconds spent."""
+        t0 = time.perf_counter()
+        with self._lock:
+            version, ref = self._published
+        # Invariant (guaranteed by the slots in `train`): the learner has published a version the batch may use.
+        assert version >= min_version, f"weights v{version} published, batch needs v{min_version} or newer"
+        if version > self.engine_version and ref is not None:
+            self.pool.load_weights(ref, version)
+            self.engine_version = version
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------ rollouts
+
+    def grow(self, prompts: list[dict]) -> list[Tree]:
+        """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order."""
+        k = len(self.schedulers)
+        refs = [s.grow.remote(prompts[i::k]) for i, s in enumerate(self.schedulers) if prompts[i::k]]
+        shards = ray.get(refs)
+        out: list[Tree] = [None] * len(prompts)  # type: ignore[list-item]
+        for i, shard in enumerate(shards):
+            out[i::k] = shard
+        return out
+
+    def make_batch(self, step: int, stream: PromptStream, num_trees_logged: int = 0) -> RolloutBatch:
+        """Grow, score and credit one step's batch (DAPO dynamic sampling: refill filtered prompts)."""
+        cfg, algo = self.cfg, self.cfg.algo
+        need = cfg.trainer.prompts_per_step
+        t0 = time.perf_counter()
+        before = self._engine_counters()
+        grown: list[Tree] = []
+        kept: list[Tree] = []
+        for rnd in range(1 + (algo.max_extra_rounds if algo.dynamic_sampling else 0)):
+            missing = need - len(kept)
+            n = math.ceil(missing * algo.oversample) if algo.dynamic_sampling else missing
+            trees = self.grow(stream.take(n))
+            grown += trees
+            kept += [t for t in trees if keep_tree(t)] if algo.dynamic_sampling else trees
+            if len(kept) >= need:
+                break
+        if len(kept) > need:  # DAPO keeps a random subset of the over-sampled groups
+            pick = np.random.default_rng([cfg.trainer.seed, step]).choice(len(kept), need, replace=False)
+            kept = [kept[i] for i in sorted(pick)]
+        t_grow = time.perf_counter()
+        # CATPO slots in here, between verification and credit: informativeness of each tree, critique-guided
+        # healing of dead-wrong trees, and per-tree weights passed to build_samples(tree_weights=...).
+        samples = build_samples(kept, algo)
+        t_credit = time.perf_counter()
+
+        metrics = tree_metrics(grown, algo.correct_threshold)
+        after = self._engine_counters()
+        fwd = after.get("forward_tokens", 0) - before.get("forward_tokens", 0)
+        unique = metrics.get("tree/unique_tokens", 0.0)
+        trajectories = sum(len(t.trajectories) for t in grown)
+        metrics.update({
+            "rollout/kept_prompts": float(len(kept)),
+            "rollout/rounds": float(rnd + 1),
+            "tree/forward_tokens": float(fwd),
+            "tree/forward_per_unique": fwd / unique if unique else math.nan,
+            "perf/traj_per_s": trajectories / max(t_grow - t0, 1e-9),
+            "time/rollout": t_grow - t0,
+            "time/credit": t_credit - t_grow,
+        })
+        return RolloutBatch(step, self.engine_version, ray.put(samples), len(samples), stream.position, metrics,
+                            [self.tree_record(t) for t in kept[:num_trees_logged]])
+
+    def _engine_counters(self) -> dict:
+        total: dict = {}
+        for stats in self.pool.stats():
+            for k, v in stats.items():
+                if isinstance(v, (int, float)):
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def tree_record(self, tree: Tree) -> dict:
+        """A tree as a JSON-able dict with the decoded text of its prompt and of every segment."""
+        dec = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        return {**tree.to_dict(), "prompt_text": dec(tree.prompt_ids), "texts": [dec(t) for t in tree.tokens]}
+
+    # ------------------------------------------------------------------------------------------ evaluation
+
+    def evaluate(self, problems: list[dict], max_new_tokens: int) -> dict:
+        """Greedy accuracy (one answer per problem, temperature 0) of the weights the engines hold now."""
+        if not problems:
+            return {}
+        t0 = time.perf_counter()
+        engines = self.pool.engines
+        greedy = SamplingParams(temperature=0.0, seed=0)
+        reqs = [SegmentRequest(f"eval-v{self.engine_version}/{i}", list(p["prompt_ids"]), max_new_tokens, 1, greedy)
+                for i, p in enumerate(problems)]
+        parts = ray.get([e.generate.remote(reqs[j::len(engines)]) for j, e in enumerate(engines)])
+        results = [None] * len(reqs)
+        for j, part in enumerate(parts):
+            results[j::len(engines)] = part
+        texts = [self.tokenizer.decode(r.children[0].token_ids, skip_special_tokens=True) for r in results]
+        triples = [(p.get("data_source", ""), t, p["ground_truth"]) for p, t in zip(problems, texts)]
+        rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
+        lengths = [len(r.children[0].token_ids) for r in results]
+        return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
+                "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
+                "eval/problems": float(len(problems)), "eval/version": float(self.engine_version),
+                "time/eval": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def train(self, start_step: int, end_step: int, stream: PromptStream, on_step, trees_per_step: int = 0,
+              eval_every: int = 0) -> int:
+        """Train steps [start_step, end_step); `on_step(batch, metrics) -> bool` logs and checkpoints after each
+        step and returns False to stop early. With `eval_every`, the producer evaluates `self.eval_set` on the
+        weights it has just loaded every that many steps (between two batches, so the engines are idle).
+        Returns the number of steps completed (the learner's new version)."""
+        s = self.cfg.runtime.max_staleness
+        # Back-pressure and the staleness bound in one place: the producer takes a slot before growing a batch and
+        # the consumer returns it after training on one and publishing the new weights. With s + 1 slots, batch k
+        # starts only after batch k - s - 1 has been trained, i.e. when weights of version >= k - s exist.
+        slots = threading.Semaphore(s + 1)
+        batches: queue.Queue = queue.Queue(maxsize=s + 1)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for step in range(start_step, end_step):
+                    slots.acquire()
+                    if stop.is_set():
+                        break
+                    sync_s = self.sync_weights(min_version=step - s)
+                    evaluated = {}
+                    if eval_every and step > start_step and step % eval_every == 0:
+                        evaluated = self.evaluate(self.eval_set, self.eval_tokens)
+                    batch = self.make_batch(step, stream, trees_per_step)
+                    batch.metrics.update(evaluated, **{"time/weight_sync": sync_s})
+                    batches.put(batch)
+            except BaseException as err:  # surfaces in the consumer, which re-raises it
+                batches.put(err)
+                return
+            batches.put(DONE)
+
+        producer = threading.Thread(target=produce, name="rollout-producer", daemon=True)
+        producer.start()
+        step, last = start_step, time.perf_counter()
+        try:
+            while True:
+                t_wait = time.perf_counter()
+                batch = batches.get()
+                if batch is DONE:
+                    break
+                if isinstance(batch, BaseException):
+                    raise batch
+                waited = time.perf_counter() - t_wait
+                staleness = step - batch.version
+                # Invariant: every batch is trained at most max_staleness versions after the weights that grew it.
+                assert batch.step == step and 0 <= staleness <= s, (batch.step, step, staleness)
+                t_train = time.perf_counter()
+                metrics = {}
+                if batch.num_samples:
+                    learner = ray.get(self.learner.train_step(batch.samples))
+                    metrics = {f"train/{k}": v for k, v in learner.items()}
+                else:
+                    metrics = {"train/skipped": 1.0}
+                t_pub = time.perf_counter()
+                self.publish(step + 1)
+                slots.release()
+                now = time.perf_counter()
+                metrics.update(batch.metrics)
+                metrics.update({"perf/staleness": float(staleness), "time/train": t_pub - t_train,
+                                "time/publish": now - t_pub, "time/wait": waited, "time/step": now - last})
+                last = now
+                step += 1
+                if not on_step(batch, metrics):
+                    break
+        finally:
+            stop.set()
+            slots.release()  # wake a producer waiting for a slot so it sees `stop`
+            while producer.is_alive():
+                try:
+                    batches.get(timeout=0.1)  # drain so a blocked put can finish
+                except queue.Empty:
+                    pass
+            producer.join()
+        return step

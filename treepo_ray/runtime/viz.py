@@ -1,0 +1,137 @@
+"""`treepo-ray viz RUN_DIR`: render the trees a run saved (trees.jsonl) as one self-contained HTML page.
+
+Each node is a box (one generated segment) placed by depth (x) and leaf order (y), coloured by its propagated
+reward (red 0 -> green 1, grey when unknown); hovering shows the segment's decoded text and its numbers.
+No scripts or external files: inline SVG with <title> tooltips, so the page opens anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+from pathlib import Path
+
+BOX_W, BOX_H, GAP_X, GAP_Y = 90, 14, 30, 6
+
+
+def load_trees(run_dir: str | Path, step: int | None = None, max_trees: int = 50) -> list[dict]:
+    """Saved tree records of a run (all steps, or one), the most recent `max_trees` of them."""
+    path = Path(run_dir) / "trees.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; was the run started with log.trees_per_step > 0?")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+        if step is None or row.get("step") == step:
+            rows.append(row)
+    return rows[-max_trees:]
+
+
+def reward_colour(r: float | None) -> str:
+    """Red (0) through yellow to green (1); grey when the reward is unknown."""
+    if r is None or (isinstance(r, float) and math.isnan(r)):
+        return "#bbbbbb"
+    r = min(max(float(r), 0.0), 1.0)
+    red, green = (255, int(510 * r)) if r < 0.5 else (int(510 * (1 - r)), 255)
+    return f"#{red:02x}{min(green, 255):02x}60"
+
+
+def layout(parent: list[int]) -> tuple[list[int], list[float]]:
+    """Depth and vertical slot of every node: leaves take consecutive slots, a parent sits at its children's mean."""
+    n = len(parent)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        kids[parent[i]].append(i)
+    depth, slot, next_leaf = [0] * n, [0.0] * n, 0
+    stack = [(0, False)]
+    while stack:  # iterative post-order walk (trees can be deeper than Python's recursion limit allows)
+        node, seen = stack.pop()
+        if not seen:
+            stack.append((node, True))
+            for c in reversed(kids[node]):
+                depth[c] = depth[node] + 1
+                stack.append((c, False))
+        elif kids[node]:
+            slot[node] = sum(slot[c] for c in kids[node]) / len(kids[node])
+        else:
+            slot[node], next_leaf = float(next_leaf), next_leaf + 1
+    return depth, slot
+
+
+def tree_svg(rec: dict) -> str:
+    """One tree as an inline <svg>."""
+    parent, rewards = rec["parent"], rec.get("reward", [None] * len(rec["parent"]))
+    texts = rec.get("texts") or [""] * len(parent)
+    depth, slot = layout(parent)
+    x = [d * (BOX_W + GAP_X) for d in depth]
+    y = [s * (BOX_H + GAP_Y) + BOX_H for s in slot]
+    width = max(x) + BOX_W + 10
+    height = max(y) + 2 * BOX_H
+    ends = set(rec.get("trajectories", []))
+    parts = [f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">']
+    for i in range(1, len(parent)):
+        p = parent[i]
+        parts.append(f'<line x1="{x[p] + BOX_W}" y1="{y[p]}" x2="{x[i]}" y2="{y[i]}" stroke="#999"/>')
+    for i in range(len(parent)):
+        r = rewards[i] if i < len(rewards) else None
+        label = "prompt" if i == 0 else f"#{i} {len(rec['tokens'][i])} tok"
+        finish = rec.get("finish", ["none"] * len(parent))[i]
+        tip = (f"node {i} depth {depth[i]} reward {'?' if r is None else f'{r:.3f}'} finish {finish}"
+               f"{' (trajectory end)' if i in ends else ''}\n\n{texts[i] if i < len(texts) else ''}")
+        stroke = ' stroke="#000" stroke-width="2"' if i in ends else ' stroke="#555"'
+        parts.append(
+            f'<g><title>{html.escape(tip)}</title><rect x="{x[i]}" y="{y[i] - BOX_H / 2}" width="{BOX_W}" '
+            f'height="{BOX_H}" rx="3" fill="{reward_colour(r)}"{stroke}/><text x="{x[i] + 4}" y="{y[i] + 4}" '
+            f'font-size="10" font-family="monospace">{html.escape(label)}</text></g>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_html(records: list[dict], title: str) -> str:
+    """The whole page: one section per tree, newest last."""
+    sections = []
+    for rec in records:
+        meta = rec.get("meta", {})
+        leaf_r = [rec["reward"][n] for n in rec.get("trajectories", []) if rec["reward"][n] is not None]
+        acc = f"{sum(leaf_r) / len(leaf_r):.2f}" if leaf_r else "?"
+        head = (f"step {rec.get('step', '?')} · query {html.escape(str(rec.get('query_id', '')))} · "
+                f"{len(rec['parent'])} nodes · {len(rec.get('trajectories', []))} trajectories · mean reward {acc}")
+        extra = html.escape(json.dumps({k: v for k, v in meta.items() if isinstance(v, (int, float, str))}))
+        prompt = html.escape(rec.get("prompt_text", ""))
+        sections.append(f"<section><h3>{head}</h3><p class='prompt'>{prompt}</p><p class='meta'>{extra}</p>"
+                        f"<div class='tree'>{tree_svg(rec)}</div></section>")
+    style = ("body{font-family:sans-serif;margin:1.5em} section{border-top:1px solid #ccc;padding:.5em 0} "
+             ".prompt{font-family:monospace;white-space:pre-wrap;background:#f6f6f6;padding:.4em} "
+             ".meta{color:#666;font-size:80%} .tree{overflow-x:auto}")
+    legend = ("<p>Each box is one generated segment, coloured by its propagated reward "
+              "(<span style='background:#ff0060'>0</span> → <span style='background:#ffff60'>0.5</span> → "
+              "<span style='background:#00ff60'>1</span>, grey unknown); thick borders end a trajectory. "
+              "Hover a box for its decoded text.</p>")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{legend}{''.join(sections)}"
+            f"</body></html>")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="treepo-ray viz", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="run directory holding trees.jsonl")
+    ap.add_argument("--out", default=None, help="output HTML path (default RUN_DIR/trees.html)")
+    ap.add_argument("--step", type=int, default=None, help="only the trees of this step")
+    ap.add_argument("--max-trees", type=int, default=50, help="at most this many (most recent) trees")
+    args = ap.parse_args(argv)
+    records = load_trees(args.run_dir, args.step, args.max_trees)
+    if not records:
+        print(f"no trees found in {args.run_dir}/trees.jsonl" + (f" for step {args.step}" if args.step else ""))
+        return 1
+    out = Path(args.out) if args.out else Path(args.run_dir) / "trees.html"
+    out.write_text(render_html(records, f"treepo-ray trees · {Path(args.run_dir).name}"))
+    print(f"wrote {len(records)} trees to {out}")
+    return 0
