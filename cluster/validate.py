@@ -1,0 +1,592 @@
+"""Offline checks of the cluster files, with the validators of the tools that consume them where they exist.
+
+    python cluster/validate.py            # checks every file below; exit status 1 and a message on the first error
+
+- cluster/ray-cluster.yaml: Ray's own `prepare_config` + `validate_config` (the JSON schema ray-schema.json that
+  `ray up` applies), every node_config against the EC2 RunInstances request model shipped in botocore (the
+  call Ray's AWS provider makes with it), then this project's layout: node roles, spot/on-demand, autoscaling,
+  torch pinned first, one RAY_AUTH_MODE on every node.
+- cluster/kuberay/*.yaml: no package ships the KubeRay CRDs, so the structure is checked against the ray.io/v1
+  field lists of KubeRay's API types (RayClusterSpec, WorkerGroupSpec, RayJobSpec, ...) and the Kubernetes
+  rules those fields carry (string-valued rayStartParams, min <= replicas <= max, extended resources with
+  equal request and limit, toleration operators); then the cluster spec goes through the function the in-tree
+  Ray autoscaler uses to read a RayCluster (`_derive_autoscaling_config_from_ray_cr`, which ends in Ray's
+  `validate_config`), and the runtime env of the RayJob through Ray's `RuntimeEnv`.
+- cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path.
+
+It imports Ray's private autoscaler modules: they are what `ray up` and the KubeRay autoscaler run, and they
+may move between Ray versions (an ImportError then names the module).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "cluster" / "ray-cluster.yaml"
+RAYCLUSTER = ROOT / "cluster" / "kuberay" / "raycluster.yaml"
+RAYJOB = ROOT / "cluster" / "kuberay" / "rayjob.yaml"
+DOCKERFILE = ROOT / "cluster" / "Dockerfile"
+SETUP_SH = ROOT / "scripts" / "setup.sh"
+
+# Custom Ray resources that place actors (the runtime asks for one unit per GPU of its role).
+LEARNER_RESOURCE = "learner_gpu"
+GENERATOR_RESOURCE = "generator_gpu"
+METHODS = ("treepo", "grpo", "dapo", "treerpo", "catpo")
+
+
+class ClusterConfigError(ValueError):
+    """A cluster file that its consumer would reject, or that breaks this project's layout."""
+
+
+def _fail(where: str, message: str) -> None:
+    raise ClusterConfigError(f"{where}: {message}")
+
+
+def load_yaml(path: Path) -> dict:
+    """Read one YAML mapping, or raise naming the file."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ClusterConfigError(f"{path.name}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        _fail(path.name, "expected a mapping at the top level")
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray cluster launcher (ray up)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_launcher(config: dict, where: str = "ray-cluster.yaml") -> dict:
+    """Validate a cluster launcher config as `ray up` would (offline part) plus the project's layout.
+
+    Returns facts the cross-file checks use: {"ray_version", "torch_version", "auth_mode"}.
+    """
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    try:
+        # prepare_config merges the provider's defaults.yaml (as `ray up` does) before the schema check.
+        prepared = prepare_config(copy.deepcopy(config))
+        validate_config(prepared)
+    except jsonschema.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.absolute_path) or "(top level)"
+        _fail(where, f"Ray's cluster schema rejects {path}: {exc.message}")
+    except (ValueError, KeyError, AssertionError, NotImplementedError) as exc:
+        _fail(where, f"Ray's cluster config check failed: {exc}")
+
+    node_types = prepared["available_node_types"]
+    if prepared["provider"]["type"] == "aws":
+        for name, node_type in node_types.items():
+            _check_ec2_node_config(node_type["node_config"], f"{where}: available_node_types.{name}.node_config")
+
+    learner = _role(node_types, LEARNER_RESOURCE, where)
+    generator = _role(node_types, GENERATOR_RESOURCE, where)
+    head = node_types[prepared["head_node_type"]]
+    if head["resources"].get("GPU", 0) or {LEARNER_RESOURCE, GENERATOR_RESOURCE} & set(head["resources"]):
+        _fail(where, "the head node type must not offer GPUs or the learner/generator resources")
+    for (name, node_type), label in ((learner, LEARNER_RESOURCE), (generator, GENERATOR_RESOURCE)):
+        res = node_type["resources"]
+        if res.get("GPU", 0) <= 0 or res[label] != res["GPU"]:
+            _fail(where, f"node type {name!r}: {label} ({res[label]}) must equal its GPU count ({res.get('GPU')})")
+        if node_type["max_workers"] < max(1, node_type["min_workers"]):
+            _fail(where, f"node type {name!r}: max_workers must be >= max(1, min_workers)")
+    if _is_spot_ec2(learner[1]["node_config"]):
+        _fail(where, f"learner node type {learner[0]!r} must be on-demand (no spot InstanceMarketOptions)")
+    if not _is_spot_ec2(generator[1]["node_config"]):
+        _fail(where, f"generator node type {generator[0]!r} must be spot (InstanceMarketOptions.MarketType: spot)")
+    if generator[1]["min_workers"] != 0:
+        _fail(where, f"generator node type {generator[0]!r}: min_workers must be 0 (scaled on demand)")
+    wanted = learner[1]["max_workers"] + generator[1]["max_workers"]
+    if prepared["max_workers"] < wanted:
+        _fail(where, f"max_workers {prepared['max_workers']} is below the node types' sum of max_workers {wanted}")
+    for key in ("idle_timeout_minutes", "upscaling_speed"):
+        if not prepared.get(key, 0) > 0:
+            _fail(where, f"{key} must be > 0 for autoscaling")
+
+    torch_version = _check_setup_commands(config, where)
+    auth_mode = _check_start_commands(prepared, where)
+    image = (config.get("docker") or {}).get("image", "")
+    return {"ray_version": _ray_image_version(image, where), "torch_version": torch_version, "auth_mode": auth_mode}
+
+
+@functools.lru_cache(maxsize=1)
+def _run_instances_model() -> Any:
+    """botocore's EC2 RunInstances input shape, or None where botocore is not installed."""
+    try:
+        import botocore.session
+    except ImportError:
+        return None
+    return botocore.session.get_session().get_service_model("ec2").operation_model("RunInstances").input_shape
+
+
+def _check_ec2_node_config(node_config: dict, where: str) -> None:
+    """Validate node_config as the RunInstances request Ray's AWS provider builds from it (Min/MaxCount added)."""
+    model = _run_instances_model()
+    if model is None:
+        return  # botocore is optional here; Ray's schema check above still ran
+    from botocore.validate import ParamValidator
+
+    request = {k: v for k, v in node_config.items() if k != "SubnetIds"}  # Ray's own key, resolved to SubnetId
+    report = ParamValidator().validate({**request, "MinCount": 1, "MaxCount": 1}, model)
+    if report.has_errors():
+        _fail(where, "EC2 RunInstances would reject it: " + report.generate_report().replace("\n", "; "))
+    instance_types = model.members["InstanceType"].enum
+    if node_config.get("InstanceType") not in instance_types:
+        _fail(where, f"InstanceType {node_config.get('InstanceType')!r} is not an EC2 instance type")
+
+
+def _role(node_types: dict, resource: str, where: str) -> tuple[str, dict]:
+    found = [(n, t) for n, t in node_types.items() if t["resources"].get(resource, 0) > 0]
+    if len(found) != 1:
+        _fail(where, f"expected exactly one node type offering {resource!r}, found {[n for n, _ in found]}")
+    return found[0]
+
+
+def _is_spot_ec2(node_config: dict) -> bool:
+    return (node_config.get("InstanceMarketOptions") or {}).get("MarketType") == "spot"
+
+
+def _check_setup_commands(config: dict, where: str) -> str:
+    """torch must be the first package installed, pinned with ==; the project is installed after it."""
+    pip_cmds = [c for c in config.get("setup_commands", []) if re.search(r"\bpip3? install\b", c)]
+    if not pip_cmds:
+        _fail(where, "setup_commands install nothing")
+    first = re.search(r"""["']?torch==([0-9][^"'\s]*)["']?""", pip_cmds[0])
+    if not first or len(re.findall(r"install\s", pip_cmds[0])) != 1:
+        _fail(where, f"the first pip install in setup_commands must be a pinned torch==X, got {pip_cmds[0]!r}")
+    mounts = {k.rstrip("/") for k in config.get("file_mounts", {})}
+    project = [i for i, c in enumerate(pip_cmds) if any(m in c for m in mounts) and " -e " in f" {c} "]
+    if not project or project[0] == 0:
+        _fail(where, "setup_commands must `pip install -e` the mounted checkout after torch")
+    return first.group(1)
+
+
+def _check_start_commands(prepared: dict, where: str) -> str:
+    """Every `ray start` sets the same RAY_AUTH_MODE; token mode needs a token source that is mounted."""
+    modes = set()
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in prepared.get(key, []) if "ray start" in c]
+        if len(starts) != 1:
+            _fail(where, f"{key} must contain exactly one `ray start`")
+        cmd = starts[0]
+        mode = re.search(r"\bRAY_AUTH_MODE=(\w+)", cmd)
+        if not mode or mode.group(1) not in ("token", "disabled"):
+            _fail(where, f"{key}: `ray start` must set RAY_AUTH_MODE=token|disabled on the same command line")
+        modes.add(mode.group(1))
+        if mode.group(1) == "token":
+            path = re.search(r"\bRAY_AUTH_TOKEN_PATH=(\S+)", cmd)
+            if not path:
+                _fail(where, f"{key}: token mode needs RAY_AUTH_TOKEN_PATH on the `ray start` line")
+            token_dir = path.group(1).replace("$HOME", "~").rsplit("/", 1)[0]
+            if token_dir not in {k.rstrip("/") for k in prepared.get("file_mounts", {})}:
+                _fail(where, f"{key}: the token directory {token_dir} is not in file_mounts")
+    if len(modes) != 1:
+        _fail(where, f"head and workers must use the same RAY_AUTH_MODE, got {sorted(modes)}")
+    if "--autoscaling-config=~/ray_bootstrap_config.yaml" not in " ".join(prepared["head_start_ray_commands"]):
+        _fail(where, "the head's `ray start` must pass --autoscaling-config=~/ray_bootstrap_config.yaml")
+    return modes.pop()
+
+
+def _ray_image_version(image: str, where: str) -> str:
+    match = re.fullmatch(r"rayproject/ray(?:-ml)?:(\d+\.\d+\.\d+)(?:-[\w.-]+)?", image)
+    if not match:
+        _fail(where, f"expected a versioned rayproject/ray image, got {image!r}")
+    return match.group(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KubeRay (ray.io/v1)
+# ---------------------------------------------------------------------------------------------------------
+
+# Field names of KubeRay's ray.io/v1 Go types (json tags), as of KubeRay 1.5/1.6. An unknown field is an error
+# under `kubectl apply`'s default strict field validation.
+RAYCLUSTER_SPEC_FIELDS = {
+    "suspend", "managedBy", "autoscalerOptions", "headServiceAnnotations", "enableInTreeAutoscaling",
+    "gcsFaultToleranceOptions", "headGroupSpec", "rayVersion", "workerGroupSpecs", "authOptions",
+    "upgradeStrategy",
+}
+HEAD_GROUP_FIELDS = {"template", "headService", "enableIngress", "rayStartParams", "serviceType", "resources", "labels"}
+WORKER_GROUP_FIELDS = {
+    "suspend", "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds", "rayStartParams",
+    "template", "scaleStrategy", "numOfHosts", "resources", "labels",
+}
+AUTOSCALER_OPTIONS_FIELDS = {
+    "resources", "image", "imagePullPolicy", "securityContext", "idleTimeoutSeconds", "upscalingMode", "env",
+    "envFrom", "volumeMounts", "version",
+}
+AUTH_OPTIONS_FIELDS = {"mode", "secretName", "enableK8sTokenAuth"}
+RAYJOB_SPEC_FIELDS = {
+    "activeDeadlineSeconds", "backoffLimit", "rayClusterSpec", "submitterPodTemplate", "metadata",
+    "clusterSelector", "submitterConfig", "managedBy", "deletionPolicy", "deletionStrategy", "entrypoint",
+    "runtimeEnvYAML", "jobId", "submissionMode", "entrypointResources", "entrypointNumCpus",
+    "entrypointNumGpus", "entrypointMemory", "ttlSecondsAfterFinished", "shutdownAfterJobFinishes", "suspend",
+}
+UPSCALING_MODES = {"Default", "Aggressive", "Conservative"}
+SUBMISSION_MODES = {"K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"}
+TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+TAINT_EFFECTS = {"", "NoSchedule", "PreferNoSchedule", "NoExecute"}
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+GPU_KEY = "nvidia.com/gpu"
+# Token auth exists from Ray 2.52 (RAY_AUTH_MODE); KubeRay refuses authOptions.mode token below it.
+MIN_RAY_FOR_TOKEN = (2, 52, 0)
+
+
+def _unknown(mapping: dict, allowed: set, where: str) -> None:
+    extra = sorted(set(mapping) - allowed)
+    if extra:
+        _fail(where, f"unknown field(s) {extra}")
+
+
+def _nonneg_int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        _fail(where, f"must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _check_object_header(doc: dict, kind: str, where: str) -> None:
+    if doc.get("apiVersion") != "ray.io/v1":
+        _fail(where, f"apiVersion must be ray.io/v1, got {doc.get('apiVersion')!r}")
+    if doc.get("kind") != kind:
+        _fail(where, f"kind must be {kind}, got {doc.get('kind')!r}")
+    name = (doc.get("metadata") or {}).get("name", "")
+    if not isinstance(name, str) or not DNS_LABEL.fullmatch(name) or len(name) > 63:
+        _fail(where, f"metadata.name must be a DNS-1123 label, got {name!r}")
+    _unknown(doc, {"apiVersion", "kind", "metadata", "spec"}, where)
+
+
+def _check_pod_template(template: Any, where: str) -> dict:
+    """The parts of a corev1.PodTemplateSpec this project relies on; returns the pod spec."""
+    spec = (template or {}).get("spec") if isinstance(template, dict) else None
+    if not isinstance(spec, dict):
+        _fail(where, "template.spec is required")
+    containers = spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        _fail(where, "template.spec.containers must be a non-empty list (the Ray container first)")
+    for i, c in enumerate(containers):
+        cw = f"{where}.template.spec.containers[{i}]"
+        if not isinstance(c, dict) or not DNS_LABEL.fullmatch(str(c.get("name", ""))):
+            _fail(cw, "needs a DNS-1123 `name`")
+        if not isinstance(c.get("image"), str) or not c["image"].strip():
+            _fail(cw, "needs an `image`")
+        _check_resources(c.get("resources") or {}, cw + ".resources")
+        for e in c.get("env") or []:
+            if not isinstance(e, dict) or "name" not in e or ("value" in e and not isinstance(e["value"], str)):
+                _fail(cw + ".env", f"each entry needs a name and a string value, got {e!r}")
+    selector = spec.get("nodeSelector") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+        _fail(where + ".template.spec.nodeSelector", "keys and values must be strings (quote true/false/numbers)")
+    for i, t in enumerate(spec.get("tolerations") or []):
+        tw = f"{where}.template.spec.tolerations[{i}]"
+        if not isinstance(t, dict):
+            _fail(tw, "must be a mapping")
+        _unknown(t, TOLERATION_FIELDS, tw)
+        op = t.get("operator", "Equal")
+        if op not in ("Exists", "Equal"):
+            _fail(tw, f"operator must be Exists or Equal, got {op!r}")
+        if op == "Exists" and t.get("value"):
+            _fail(tw, "operator Exists takes no value")
+        if op == "Equal" and not t.get("key"):
+            _fail(tw, "operator Equal needs a key")
+        if t.get("effect", "") not in TAINT_EFFECTS:
+            _fail(tw, f"effect must be one of {sorted(TAINT_EFFECTS - {''})}, got {t.get('effect')!r}")
+    return spec
+
+
+def _check_resources(resources: dict, where: str) -> None:
+    from ray.autoscaler._private.kuberay.utils import parse_quantity
+
+    parsed = {}
+    for kind in ("limits", "requests"):
+        for key, qty in (resources.get(kind) or {}).items():
+            try:
+                parsed[kind, key] = parse_quantity(str(qty))
+            except Exception:
+                _fail(f"{where}.{kind}.{key}", f"not a Kubernetes quantity: {qty!r}")
+    for (kind, key), value in parsed.items():
+        if kind == "requests" and ("limits", key) in parsed and value > parsed["limits", key]:
+            _fail(f"{where}.requests.{key}", "request exceeds the limit")
+    # Extended resources (vendor.com/name) cannot be overcommitted: a limit is required, and a request, if
+    # given, must equal it.
+    for kind, key in parsed:
+        if "/" in key and not key.startswith(("kubernetes.io/", "requests.")):
+            if ("limits", key) not in parsed:
+                _fail(f"{where}.limits", f"extended resource {key} needs a limit")
+            if ("requests", key) in parsed and parsed["requests", key] != parsed["limits", key]:
+                _fail(f"{where}.requests.{key}", "an extended resource's request must equal its limit")
+
+
+def _check_ray_start_params(params: Any, where: str) -> None:
+    if not isinstance(params, dict):
+        _fail(where, "rayStartParams must be a mapping")
+    for key, value in params.items():
+        if not isinstance(value, str):
+            _fail(f"{where}.rayStartParams.{key}", f"values are strings in the CRD; quote {value!r}")
+
+
+def _version_tuple(version: str, where: str) -> tuple[int, ...]:
+    if not re.fullmatch(r"\d+\.\d+\.\d+", str(version)):
+        _fail(where, f"rayVersion must be X.Y.Z, got {version!r}")
+    return tuple(int(p) for p in str(version).split("."))
+
+
+def check_cluster_spec(spec: Any, where: str, name: str = "treepo-ray", namespace: str = "default") -> dict:
+    """Validate a RayClusterSpec; returns the autoscaling config Ray derives from it."""
+    if not isinstance(spec, dict):
+        _fail(where, "spec must be a mapping")
+    _unknown(spec, RAYCLUSTER_SPEC_FIELDS, where)
+    version = _version_tuple(spec.get("rayVersion", ""), f"{where}.rayVersion")
+
+    head = spec.get("headGroupSpec")
+    if not isinstance(head, dict):
+        _fail(where, "headGroupSpec is required")
+    _unknown(head, HEAD_GROUP_FIELDS, f"{where}.headGroupSpec")
+    _check_ray_start_params(head.get("rayStartParams"), f"{where}.headGroupSpec")
+    _check_pod_template(head.get("template"), f"{where}.headGroupSpec")
+
+    groups = spec.get("workerGroupSpecs") or []
+    seen = set()
+    for i, group in enumerate(groups):
+        gw = f"{where}.workerGroupSpecs[{i}]"
+        if not isinstance(group, dict):
+            _fail(gw, "must be a mapping")
+        _unknown(group, WORKER_GROUP_FIELDS, gw)
+        gname = group.get("groupName")
+        if not isinstance(gname, str) or not DNS_LABEL.fullmatch(gname) or gname in seen:
+            _fail(gw, f"groupName must be a unique DNS-1123 label, got {gname!r}")
+        seen.add(gname)
+        for key in ("minReplicas", "maxReplicas"):
+            if key not in group:
+                _fail(gw, f"{key} is required")
+        lo = _nonneg_int(group["minReplicas"], f"{gw}.minReplicas")
+        hi = _nonneg_int(group["maxReplicas"], f"{gw}.maxReplicas")
+        n = _nonneg_int(group.get("replicas", lo), f"{gw}.replicas")
+        if not lo <= n <= hi:
+            _fail(gw, f"need minReplicas <= replicas <= maxReplicas, got {lo} <= {n} <= {hi}")
+        if group.get("numOfHosts", 1) < 1:
+            _fail(gw, "numOfHosts must be >= 1")
+        _check_ray_start_params(group.get("rayStartParams"), gw)
+        _check_pod_template(group.get("template"), gw)
+
+    opts = spec.get("autoscalerOptions") or {}
+    _unknown(opts, AUTOSCALER_OPTIONS_FIELDS, f"{where}.autoscalerOptions")
+    if "upscalingMode" in opts and opts["upscalingMode"] not in UPSCALING_MODES:
+        _fail(f"{where}.autoscalerOptions.upscalingMode", f"must be one of {sorted(UPSCALING_MODES)}")
+    if "idleTimeoutSeconds" in opts and _nonneg_int(opts["idleTimeoutSeconds"], f"{where}.idleTimeoutSeconds") == 0:
+        _fail(f"{where}.autoscalerOptions.idleTimeoutSeconds", "must be > 0")
+    auth = spec.get("authOptions") or {}
+    _unknown(auth, AUTH_OPTIONS_FIELDS, f"{where}.authOptions")
+    if auth.get("mode", "token") not in ("token", "disabled"):
+        _fail(f"{where}.authOptions.mode", f"must be token or disabled, got {auth.get('mode')!r}")
+    if auth and auth.get("mode", "token") == "token" and version < MIN_RAY_FOR_TOKEN:
+        _fail(f"{where}.authOptions", "token mode needs rayVersion >= 2.52.0")
+
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    try:
+        derived = _derive_autoscaling_config_from_ray_cr({"metadata": {"name": name, "namespace": namespace},
+                                                          "spec": spec})
+    except Exception as exc:  # whatever Ray's reader raises, the autoscaler would crash on it the same way
+        _fail(where, f"the Ray autoscaler cannot read this spec: {type(exc).__name__}: {exc}")
+    return derived
+
+
+def check_cluster_layout(spec: dict, derived: dict, where: str) -> None:
+    """This project's roles on KubeRay: autoscaling on, head without work, learner on-demand, generator spot 0..N."""
+    if spec.get("enableInTreeAutoscaling") is not True:
+        _fail(where, "enableInTreeAutoscaling must be true")
+    types = derived["available_node_types"]
+    if types["headgroup"]["resources"].get("CPU") != 0 or types["headgroup"]["resources"].get("GPU"):
+        _fail(where, "the head group must offer no CPU (rayStartParams num-cpus: \"0\") and no GPU")
+    groups = {g["groupName"]: g for g in spec.get("workerGroupSpecs") or []}
+    for resource, spot in ((LEARNER_RESOURCE, False), (GENERATOR_RESOURCE, True)):
+        found = [n for n, t in types.items() if t["resources"].get(resource, 0) > 0]
+        if len(found) != 1:
+            _fail(where, f"expected exactly one worker group offering {resource!r}, found {found}")
+        gname, node_type = found[0], types[found[0]]
+        gpus = node_type["resources"].get("GPU", 0)
+        if gpus <= 0 or node_type["resources"][resource] != gpus:
+            _fail(where, f"group {gname!r}: {resource} must equal its {GPU_KEY} limit ({gpus})")
+        pod = groups[gname]["template"]["spec"]
+        if _is_spot_pod(pod) != spot:
+            capacity = "spot" if spot else "on-demand"
+            _fail(where, f"group {gname!r} must run on {capacity} nodes (nodeSelector/tolerations)")
+        if spot and node_type["min_workers"] != 0:
+            _fail(where, f"group {gname!r}: minReplicas must be 0 (scaled on demand)")
+        if node_type["max_workers"] < 1:
+            _fail(where, f"group {gname!r}: maxReplicas must be >= 1")
+        shm = [v for v in pod.get("volumes") or [] if (v.get("emptyDir") or {}).get("medium") == "Memory"]
+        mounts = {m.get("mountPath") for m in pod["containers"][0].get("volumeMounts") or []
+                  if m.get("name") in {v["name"] for v in shm}}
+        if "/dev/shm" not in mounts:
+            _fail(where, f"group {gname!r}: mount a memory emptyDir at /dev/shm (object store, NCCL)")
+
+
+def _is_spot_pod(pod: dict) -> bool:
+    """Spot if a node selector asks for spot capacity or a toleration accepts a spot taint."""
+    selector = pod.get("nodeSelector") or {}
+    on_selector = any(v.lower() == "spot" or ("spot" in k.lower() and v.lower() == "true") for k, v in selector.items())
+    on_toleration = any("spot" in str(t.get("key", "")).lower() for t in pod.get("tolerations") or [])
+    return on_selector or on_toleration
+
+
+def check_raycluster(doc: dict, where: str = "raycluster.yaml") -> dict:
+    """Validate a RayCluster manifest; returns the derived autoscaling config."""
+    _check_object_header(doc, "RayCluster", where)
+    meta = doc["metadata"]
+    derived = check_cluster_spec(doc.get("spec"), f"{where}: spec", meta["name"], meta.get("namespace", "default"))
+    check_cluster_layout(doc["spec"], derived, f"{where}: spec")
+    return derived
+
+
+def check_rayjob(doc: dict, where: str = "rayjob.yaml") -> dict:
+    """Validate a RayJob manifest; returns its parsed runtime env."""
+    _check_object_header(doc, "RayJob", where)
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        _fail(where, "spec is required")
+    _unknown(spec, RAYJOB_SPEC_FIELDS, f"{where}: spec")
+    if ("rayClusterSpec" in spec) == ("clusterSelector" in spec):
+        _fail(where, "set exactly one of spec.rayClusterSpec (new cluster) and spec.clusterSelector (existing)")
+    if spec.get("shutdownAfterJobFinishes") and "rayClusterSpec" not in spec:
+        _fail(where, "shutdownAfterJobFinishes only applies to a cluster the RayJob creates (rayClusterSpec)")
+    if spec.get("submissionMode", "K8sJobMode") not in SUBMISSION_MODES:
+        _fail(where, f"spec.submissionMode must be one of {sorted(SUBMISSION_MODES)}")
+    for key in ("backoffLimit", "ttlSecondsAfterFinished", "activeDeadlineSeconds"):
+        if key in spec:
+            _nonneg_int(spec[key], f"{where}: spec.{key}")
+
+    entry = spec.get("entrypoint")
+    if not isinstance(entry, str) or not entry.strip():
+        _fail(where, "spec.entrypoint is required")
+    argv = shlex.split(entry)
+    config_names = {f"jobs/configs/{m}_paper.yaml" for m in METHODS}
+    if argv[:2] != ["python", "jobs/train.py"] or len(argv) < 3 or argv[2] not in config_names:
+        _fail(where, f"spec.entrypoint must be `python jobs/train.py jobs/configs/<method>_paper.yaml`, got {entry!r}")
+
+    runtime_env = _check_runtime_env_yaml(spec.get("runtimeEnvYAML", ""), f"{where}: spec.runtimeEnvYAML")
+    if "rayClusterSpec" in spec:
+        name = doc["metadata"]["name"]
+        derived = check_cluster_spec(spec["rayClusterSpec"], f"{where}: spec.rayClusterSpec", name)
+        check_cluster_layout(spec["rayClusterSpec"], derived, f"{where}: spec.rayClusterSpec")
+    return runtime_env
+
+
+def _check_runtime_env_yaml(text: Any, where: str) -> dict:
+    from ray.runtime_env import RuntimeEnv
+
+    if not isinstance(text, str):
+        _fail(where, "must be a string holding YAML")
+    try:
+        env = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        _fail(where, f"not valid YAML: {exc}")
+    if not isinstance(env, dict):
+        _fail(where, "must be a YAML mapping")
+    _unknown(env, set(RuntimeEnv.known_fields), where)
+    # working_dir names a path in the image, which does not exist here: its type is checked, Ray validates the rest.
+    if "working_dir" in env and not isinstance(env["working_dir"], str):
+        _fail(where, "working_dir must be a string")
+    try:
+        RuntimeEnv(**{k: v for k, v in env.items() if k != "working_dir"})
+    except (TypeError, ValueError) as exc:
+        _fail(where, f"Ray rejects the runtime env: {exc}")
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dockerfile and cross-file agreement
+# ---------------------------------------------------------------------------------------------------------
+
+
+def read_dockerfile(text: str, where: str = "Dockerfile") -> dict:
+    """Facts of cluster/Dockerfile: {"ray_version", "torch_version", "workdir", "copies"}."""
+    base = re.search(r"^FROM\s+(\S+)", text, re.M)
+    torch = re.search(r"^ARG\s+TORCH_VERSION=(\S+)", text, re.M)
+    workdir = re.search(r"^WORKDIR\s+(\S+)", text, re.M)
+    if not (base and torch and workdir):
+        _fail(where, "needs FROM rayproject/ray:<version>, ARG TORCH_VERSION=<pin> and WORKDIR")
+    torch_line = re.search(r"^RUN .*torch==\$\{TORCH_VERSION\}", text, re.M)
+    project_line = re.search(r"^RUN .*pip install .*-e \.", text, re.M)
+    if not torch_line or not project_line or torch_line.start() > project_line.start():
+        _fail(where, "must install torch==${TORCH_VERSION} before `pip install -e .`")
+    copies = sorted({src for line in text.splitlines() if line.startswith("COPY")
+                     for src in line.split()[1:-1] if not src.startswith("--")})
+    return {"ray_version": _ray_image_version(base.group(1), where), "torch_version": torch.group(1),
+            "workdir": workdir.group(1), "copies": copies}
+
+
+def setup_sh_torch_version(text: str) -> str | None:
+    match = re.search(r"torch==\$\{TORCH_VERSION:-([^}]+)\}", text)
+    return match.group(1) if match else None
+
+
+def check_all(root: Path = ROOT) -> list[str]:
+    """Check every cluster file and their agreement; returns one line per check passed."""
+    done = []
+    launcher = check_launcher(load_yaml(root / "cluster/ray-cluster.yaml"))
+    done.append(f"ray-cluster.yaml: valid for Ray {launcher['ray_version']}, auth {launcher['auth_mode']}")
+    raycluster = load_yaml(root / "cluster/kuberay/raycluster.yaml")
+    derived = check_raycluster(raycluster)
+    done.append(f"raycluster.yaml: valid, node types {sorted(derived['available_node_types'])}")
+    rayjob = load_yaml(root / "cluster/kuberay/rayjob.yaml")
+    runtime_env = check_rayjob(rayjob)
+    done.append(f"rayjob.yaml: valid, entrypoint {rayjob['spec']['entrypoint']!r}")
+    docker = read_dockerfile((root / "cluster/Dockerfile").read_text())
+    for src in docker["copies"]:
+        if not (root / src).exists():
+            _fail("Dockerfile", f"COPY source {src} does not exist")
+    done.append(f"Dockerfile: ray {docker['ray_version']}, torch {docker['torch_version']}")
+
+    if rayjob["spec"].get("rayClusterSpec") not in (None, raycluster["spec"]):
+        _fail("rayjob.yaml", "spec.rayClusterSpec differs from raycluster.yaml's spec; keep them identical")
+    versions = {"ray-cluster.yaml docker image": launcher["ray_version"], "Dockerfile FROM": docker["ray_version"],
+                "raycluster.yaml rayVersion": raycluster["spec"]["rayVersion"]}
+    if len(set(versions.values())) != 1:
+        _fail("cluster files", f"Ray versions disagree: {versions}")
+    pins = {"ray-cluster.yaml": launcher["torch_version"], "Dockerfile": docker["torch_version"]}
+    if (root / "scripts/setup.sh").exists():
+        pins["scripts/setup.sh"] = setup_sh_torch_version((root / "scripts/setup.sh").read_text())
+    if len(set(pins.values())) != 1:
+        _fail("cluster files", f"torch pins disagree: {pins}")
+    if runtime_env.get("working_dir") not in (None, docker["workdir"]):
+        _fail("rayjob.yaml", f"working_dir {runtime_env['working_dir']} is not the image's WORKDIR {docker['workdir']}")
+    images = {c["image"] for g in [raycluster["spec"]["headGroupSpec"], *raycluster["spec"]["workerGroupSpecs"]]
+              for c in g["template"]["spec"]["containers"][:1]}
+    if len(images) != 1:
+        _fail("raycluster.yaml", f"head and workers must run one image, got {sorted(images)}")
+    done.append(f"agreement: Ray {launcher['ray_version']}, torch {launcher['torch_version']}, one image")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv if argv is not None else sys.argv[1:]:
+        print(__doc__.split("\n\n")[1].strip())
+        return 0
+    try:
+        for line in check_all():
+            print("ok   " + line)
+    except ClusterConfigError as exc:
+        print(f"FAIL {exc}", file=sys.stderr)
+        return 1
+    import ray
+
+    cluster_ray = _ray_image_version(load_yaml(LAUNCHER)["docker"]["image"], LAUNCHER.name)
+    if ray.__version__ != cluster_ray:
+        print(f"note: this machine has Ray {ray.__version__}, the cluster files Ray {cluster_ray}: "
+              "`ray up` and job submission need the same version here")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
