@@ -266,9 +266,9 @@ class LearnerGroup:
     """`world_size` learner ranks acting as one learner; every call goes to all ranks, rank 0's answer returned."""
 
     def __init__(self, model_path: str, cfg, world_size: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 torch_threads: int = 1):
-        self.ranks = [LearnerActor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(r, world_size, torch_threads)
-                      for r in range(world_size)]
+                 resources: dict | None = None, torch_threads: int = 1):
+        opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
+        self.ranks = [LearnerActor.options(**opts).remote(r, world_size, torch_threads) for r in range(world_size)]
         addr, port = ray.get(self.ranks[0].rendezvous.remote())
         ray.get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks])
 

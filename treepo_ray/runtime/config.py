@@ -83,6 +83,8 @@ class RuntimeConfig:
     """CPUs reserved by each engine actor."""
     engine_gpus: float = 0.0
     """GPUs reserved by each engine actor."""
+    engine_resources: dict = field(default_factory=dict)
+    """Custom Ray resources of each engine actor (e.g. {generator_gpu: 1} to land on generator nodes)."""
     num_schedulers: int = 1
     """Tree scheduler actors (prompts are sharded over them)."""
     num_verifiers: int = 1
@@ -97,6 +99,8 @@ class RuntimeConfig:
     """CPUs reserved by each learner rank."""
     learner_gpus: float = 0.0
     """GPUs reserved by each learner rank."""
+    learner_resources: dict = field(default_factory=dict)
+    """Custom Ray resources of each learner rank (e.g. {learner_gpu: 1})."""
     torch_threads: int = 1
     """torch threads of each engine and learner actor."""
 

@@ -80,7 +80,8 @@ class Pipeline:
     def __init__(self, cfg: TrainConfig, model_path: str, tokenizer):
         rt = cfg.runtime
         self.cfg, self.tokenizer = cfg, tokenizer
-        engines = [EngineActor.options(num_cpus=rt.engine_cpus, num_gpus=rt.engine_gpus)
+        engines = [EngineActor.options(num_cpus=rt.engine_cpus, num_gpus=rt.engine_gpus,
+                                       resources=rt.engine_resources or None)
                    .remote(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads)
                    for _ in range(rt.num_engines)]
         self.pool = GeneratorPool(engines)
@@ -92,7 +93,7 @@ class Pipeline:
                                                                    cfg.algo.sampler, cfg.sampler_config, sampling)
                            for _ in range(rt.num_schedulers)]
         self.learner = LearnerGroup(model_path, cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
-                                    rt.torch_threads)
+                                    rt.learner_resources, rt.torch_threads)
         self.engine_version = 0
         self.eval_set: list[dict] = []
         self.eval_tokens = 0

@@ -1,0 +1,68 @@
+"""Run-directory outputs without Ray: metrics files, the training curve, and the HTML tree view."""
+
+import json
+
+import pytest
+
+from treepo_ray.runtime.logs import LogConfig, RunLogger, read_metrics
+from treepo_ray.runtime.viz import layout, main as viz_main, render_html, reward_colour
+from treepo_ray.tree import Tree
+
+
+def saved_tree(step):
+    t = Tree(prompt_ids=[1, 2], query_id=f"q{step}")
+    a = t.add_node(0, [3, 4], [-0.1, -0.2])
+    t.trajectories = [t.add_node(a, [5], [-0.3], "eos"), t.add_node(a, [6], [-0.4], "eos"), t.add_node(0, [7], [-1.0], "eos")]
+    t.set_trajectory_rewards([1.0, 0.0, 1.0])
+    return {"step": step, **t.to_dict(), "prompt_text": "1+1=<?>", "texts": ["", "ab", "c<&>", "d", "e"]}
+
+
+def test_layout_puts_leaves_in_order_and_parents_between_children():
+    depth, slot = layout([-1, 0, 1, 1, 0])
+    assert depth == [0, 1, 2, 2, 1]
+    assert slot[2:4] == [0.0, 1.0] and slot[4] == 2.0
+    assert slot[1] == 0.5 and slot[0] == pytest.approx((0.5 + 2.0) / 2)
+
+
+def test_reward_colours_run_from_red_to_green():
+    assert reward_colour(0.0) == "#ff0060"
+    assert reward_colour(1.0) == "#00ff60"
+    assert reward_colour(None) == "#bbbbbb"
+
+
+def test_viz_writes_a_self_contained_page(tmp_path, capsys):
+    with (tmp_path / "trees.jsonl").open("w") as f:
+        for step in (1, 2):
+            f.write(json.dumps(saved_tree(step)) + "\n")
+    assert viz_main([str(tmp_path)]) == 0
+    page = (tmp_path / "trees.html").read_text()
+    assert page.count("<svg") == 2 and "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+    assert "c&lt;&amp;&gt;" in page  # decoded text, escaped, in the hover title
+    assert "reward 0.500" in page  # the inner node's propagated reward
+    assert viz_main([str(tmp_path), "--step", "2", "--out", str(tmp_path / "two.html")]) == 0
+    assert (tmp_path / "two.html").read_text().count("<svg") == 1
+    assert "q2" in render_html([saved_tree(2)], "t")
+
+
+def test_viz_of_a_run_without_trees_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="trees.jsonl"):
+        viz_main([str(tmp_path)])
+
+
+def test_logger_writes_metrics_and_a_curve(tmp_path):
+    log = RunLogger(tmp_path, LogConfig(wandb=False, ray_metrics=False), {}, name="t")
+    for step in range(3):
+        line = log.log(step, {"rollout/reward": 0.1 * step, "eval/accuracy": 0.5, "skip": "text", "bad": float("nan")})
+        assert line.startswith(f"step {step}: reward=")
+    log.save_trees(2, [saved_tree(2)])
+    curve = log.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "bad" not in rows[0] and "skip" not in rows[0]
+    assert curve is not None and curve.stat().st_size > 1000
+    # A resumed run appends; a step logged again keeps its newest values.
+    again = RunLogger(tmp_path, LogConfig(wandb=False, ray_metrics=False), {}, name="t", resume_step=2)
+    again.log(2, {"rollout/reward": 9.0})
+    again.close()
+    assert read_metrics(tmp_path)[-1]["rollout/reward"] == 9.0
+    assert len((tmp_path / "trees.jsonl").read_text().splitlines()) == 1
