@@ -124,7 +124,9 @@ class Learner:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         model.config.use_cache = False
         if trainable and self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         if not trainable:
             model.requires_grad_(False)
         model.to(self.device)

@@ -1,0 +1,98 @@
+"""Two FSDP2 ranks over gloo, each with a share of the batch, train exactly like one process on all of it."""
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from treepo_ray.algo.losses import LossConfig
+from treepo_ray.engines.tiny import build_tiny_model
+from treepo_ray.learner import Learner, LearnerConfig, TrainSample
+
+AGGREGATIONS = ("token-mean", "seq-mean")
+
+
+def _config(aggregation: str) -> LearnerConfig:
+    # KL (so a sharded reference model) and an entropy bonus are on, to cover every term of the loss. Adam's first
+    # steps are about lr * sign(g); eps = 1e-5 keeps summation-order noise in near-zero gradients (~1e-10) from
+    # being blown up to lr-sized weight differences.
+    return LearnerConfig(lr=1e-3, eps=1e-5, micro_batch_size=2, loss=LossConfig(aggregation=aggregation, kl_coef=0.05,
+                                                                      entropy_coef=0.01))
+
+
+def _samples() -> list[TrainSample]:
+    return [
+        TrainSample([5, 6, 7], [8, 9, 10, 11], advantages=1.0),
+        TrainSample([12], [13, 14], advantages=-1.0, weight=0.5, old_logprobs=[-5.0, -6.5]),
+        TrainSample([20, 21, 22, 23, 24], [25], advantages=0.5),
+        TrainSample([30, 31], [32, 33, 34, 35, 36, 37], advantages=[1.0, -1.0, 0.5, 0.0, 2.0, -0.5]),
+        TrainSample([40, 41, 42], [43, 44, 45], advantages=-0.75, weight=2.0),
+    ]
+
+
+# Uneven shards: rank 0 runs two micro-batches, rank 1 one real and one zero-weighted dummy pass.
+SHARDS = (slice(0, 3), slice(3, 5))
+STEPS = 2
+
+
+def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # two ranks share the cores
+    results = {}
+    for aggregation in AGGREGATIONS:
+        learner = Learner(model_path, _config(aggregation), rank=rank, world_size=2, master_port=port)
+        metrics = [learner.train_step(_samples()[SHARDS[rank]]) for _ in range(STEPS)]
+        weights = learner.export_weights()
+        if aggregation == "token-mean":
+            learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": STEPS})
+        results[aggregation] = (metrics, weights)
+    if rank == 0:
+        torch.save(results, f"{out_dir}/results.pt")
+    else:
+        assert weights == {}  # only rank 0 receives the gathered weights
+    learner.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_two_fsdp2_ranks_match_one_process(model_path, tmp_path):
+    mp.spawn(_worker, args=(str(model_path), _free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = torch.load(tmp_path / "results.pt", weights_only=False)
+
+    for aggregation in AGGREGATIONS:
+        single = Learner(model_path, _config(aggregation))
+        want = [single.train_step(_samples()) for _ in range(STEPS)]
+        got_metrics, got_weights = results[aggregation]
+        for g, w in zip(got_metrics, want):
+            for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples"):
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (aggregation, key)
+        assert got_metrics[1]["kl"] > 0 and got_metrics[1]["version"] == STEPS
+        reference = single.export_weights()
+        assert got_weights.keys() == reference.keys()
+        for k, v in reference.items():
+            torch.testing.assert_close(got_weights[k], v, atol=1e-5, rtol=0)
+
+        if aggregation == "token-mean":
+            # A checkpoint written by 2 ranks resumes in 1 process: same weights, optimizer state, next step.
+            resumed = Learner(model_path, _config(aggregation))
+            assert resumed.load_checkpoint(tmp_path / "checkpoint-00000002") == {"step": STEPS}
+            assert resumed.version == STEPS
+            state = {k: v for k, v in resumed.optimizer.state_dict()["state"].items()}
+            ref_state = single.optimizer.state_dict()["state"]
+            for idx, s in ref_state.items():
+                torch.testing.assert_close(state[idx]["exp_avg_sq"], s["exp_avg_sq"], atol=1e-7, rtol=1e-4)
+            nxt = [TrainSample(s.prompt_ids, s.response_ids, s.advantages, s.weight) for s in _samples()]
+            a, b = resumed.train_step(nxt), single.train_step([dataclasses.replace(s) for s in nxt])
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+            for k, v in single.export_weights().items():
+                torch.testing.assert_close(resumed.export_weights()[k], v, atol=1e-5, rtol=0)
