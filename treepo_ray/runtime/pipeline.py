@@ -100,6 +100,12 @@ class Pipeline:
         self._published: tuple[int, object] = (0, None)  # newest (version, weights ObjectRef) of the learner
         self._lock = threading.Lock()
 
+    def shutdown(self) -> None:
+        """Kill this pipeline's actors (their resources return to the cluster)."""
+        actors = self.pool.engines + self.verifiers.verifiers + self.schedulers + self.learner.ranks
+        for actor in actors:
+            ray.kill(actor)
+
     # ------------------------------------------------------------------------------------------ weights
 
     def publish(self, version: int) -> None:
