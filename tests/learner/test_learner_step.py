@@ -192,5 +192,3 @@ def test_bad_input_is_named(model_path):
         learner.train_step([_samples()[0], TrainSample([1], [100000], 1.0)])
     with pytest.raises(ValueError, match="old_logprobs is None"):
         learner.backward(_samples())
-    with pytest.raises(NotImplementedError, match="deepspeed"):
-        Learner(model_path, LearnerConfig(strategy="deepspeed"))

@@ -34,7 +34,10 @@ class LearnerConfig:
     """Policy loss: clip ranges, aggregation, KL and entropy weights."""
     strategy: str = "fsdp2"
     """Data parallelism when world_size > 1: "fsdp2" (fully_shard per decoder layer and the root), "deepspeed"
-    (not implemented yet) or "none" (single process only)."""
+    (ZeRO stage `zero_stage`; needs the deepspeed package) or "none" (single process only)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage, 1 (optimizer state partitioned) or 2 (gradients too); for sharded parameters use
+    fsdp2."""
     dtype: str = "float32"
     """Compute dtype of forward/backward; master weights and optimizer state stay float32 (use float32 on CPU)."""
     use_ref_model: bool | None = None
@@ -59,6 +62,9 @@ class LearnerConfig:
                 raise ValueError(f"{name} = {getattr(self, name)}; it must be >= 1")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy = {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage = {self.zero_stage}; DeepSpeed ZeRO stage 1 or 2 (use fsdp2 to shard "
+                             "parameters)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype = {self.dtype!r}; choose one of {DTYPES}")
         if not self.temperature > 0:

@@ -2,8 +2,9 @@
 
 One Learner per process (rank). With world_size > 1 every rank builds its own Learner with the same config, and
 each call (compute_logprobs, train_step, export_weights, save/load_checkpoint) must be made on all ranks together,
-each with its own shard of the samples: FSDP2 gathers parameters inside every forward and backward, so the ranks
-agree on how many micro-batches to run (a rank with fewer samples runs zero-weighted dummy passes).
+each with its own shard of the samples: FSDP2 gathers parameters inside every forward and backward (and DeepSpeed
+reduces gradients inside backward), so the ranks agree on how many micro-batches to run (a rank with fewer samples
+runs zero-weighted dummy passes). With world_size == 1 the model is trained as is, whatever the strategy.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from treepo_ray.learner.config import LearnerConfig
 LOSS_FIGURES = ("loss", "pg_loss", "kl", "entropy")
 TOKEN_FIGURES = ("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl")
 LEARNER_STATE = "learner_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_FILE = "optimizer.pt"  # full (unsharded) AdamW state, keyed by parameter name
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"  # DeepSpeed's own per-rank optimizer partitions
 
 
 def _pick_device(rank: int) -> torch.device:
@@ -70,15 +72,14 @@ class Learner:
         self.cfg = cfg = cfg if cfg is not None else LearnerConfig()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank = {rank} must lie in [0, world_size = {world_size})")
-        if cfg.strategy == "deepspeed":
-            raise NotImplementedError("strategy = 'deepspeed' is not implemented yet; use 'fsdp2'")
         if world_size > 1 and cfg.strategy == "none":
             raise ValueError(f"strategy = 'none' cannot train with world_size = {world_size}; use 'fsdp2'")
         self.model_path, self.rank, self.world_size = Path(model_path), rank, world_size
         self.device = _pick_device(rank)
-        self.sharded = world_size > 1
+        self.distributed = world_size > 1
+        self.fsdp = self.distributed and cfg.strategy == "fsdp2"
         self._owns_process_group = False
-        if self.sharded:
+        if self.distributed:
             self._init_process_group(master_addr, master_port)
         torch.manual_seed(cfg.seed + rank)
         self.compute_dtype = getattr(torch, cfg.dtype)
@@ -86,6 +87,9 @@ class Learner:
         self.model = self._load_model(trainable=True)
         self.ref_model = self._load_model(trainable=False) if cfg.needs_ref_model else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._optimizer_hparams())
+        self.engine = None
+        if self.distributed and cfg.strategy == "deepspeed":
+            self.engine = self._init_deepspeed()
         self.version = 0
         """Optimizer steps taken so far (the weights' version, for staleness checks by the generators)."""
         config = self.model.config
@@ -130,7 +134,7 @@ class Learner:
         if not trainable:
             model.requires_grad_(False)
         model.to(self.device)
-        if self.sharded:
+        if self.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -148,6 +152,33 @@ class Learner:
         model.train(trainable and self.cfg.gradient_checkpointing)
         return model
 
+    def _init_deepspeed(self) -> Any:
+        """Wrap the model and AdamW in a DeepSpeed ZeRO engine (stage 1 or 2: parameters stay whole on every rank,
+        optimizer state (and for stage 2 gradients) are partitioned). Gradient accumulation boundaries are set by
+        backward() itself, so DeepSpeed's own accumulation count stays at 1."""
+        import deepspeed
+
+        # DeepSpeed reads its launcher's variables even when the process group already exists.
+        local_rank = self.device.index if self.device.type == "cuda" else self.rank
+        for key, value in (("LOCAL_RANK", local_rank), ("RANK", self.rank), ("WORLD_SIZE", self.world_size)):
+            os.environ.setdefault(key, str(value))
+        cfg = self.cfg
+        ds_config = {
+            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": cfg.grad_clip if cfg.grad_clip > 0 else 0.0,
+            "zero_optimization": {"stage": cfg.zero_stage},
+            "zero_allow_untested_optimizer": True,  # the client optimizer is plain torch AdamW
+            "bf16": {"enabled": cfg.dtype == "bfloat16"},
+            "fp16": {"enabled": cfg.dtype == "float16"},
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        engine, optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=self.optimizer, config=ds_config,
+                                                       dist_init_required=False)
+        self.optimizer = optimizer
+        return engine
+
     def close(self) -> None:
         """Release the process group this Learner created (if any)."""
         if self._owns_process_group and dist.is_initialized():
@@ -157,20 +188,17 @@ class Learner:
     # ------------------------------------------------------------------ collectives
 
     def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        if not self.sharded:
+        if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return t.tolist()
 
-    def _barrier(self) -> None:
-        if self.sharded:
-            dist.barrier()
-
     # ------------------------------------------------------------------ forward
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.compute_dtype == torch.float32 or self.sharded:  # FSDP2 applies its own mixed precision
+        # FSDP2 and DeepSpeed apply their own mixed precision.
+        if self.compute_dtype == torch.float32 or self.fsdp or self.engine is not None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
@@ -271,6 +299,14 @@ class Learner:
         figures = self.backward(samples)
         if not figures:
             return None
+        if self.engine is not None:  # DeepSpeed clips, and skips a step with a non-finite gradient norm, itself
+            skipped_before = self.engine.skipped_steps
+            self.engine.step()
+            ok = self.engine.skipped_steps == skipped_before
+            self.version += int(ok)
+            grad_norm = self.engine.get_global_grad_norm()
+            return figures | {"grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+                              "skipped": float(not ok)}
         grad_norm = self._grad_norm_and_clip()
         ok = math.isfinite(figures["loss"]) and math.isfinite(grad_norm)
         if ok:
@@ -295,11 +331,12 @@ class Learner:
         # equal that of one pass over the whole mini-batch on one process.
         denom = g_tokens if agg == "token-mean" else g_seqs
         figures = dict.fromkeys(LOSS_FIGURES + TOKEN_FIGURES, 0.0)
-        for chunk in self._micro_batches(samples):
+        chunks = self._micro_batches(samples)
+        for k, chunk in enumerate(chunks):
             batch = self._collate(chunk)
             share = (batch.num_tokens if agg == "token-mean" else len(chunk)) / denom if chunk else 0.0
             token_share = batch.num_tokens / g_tokens if chunk else 0.0
-            logprobs, entropy = self._forward(self.model, batch, entropy=True,
+            logprobs, entropy = self._forward(self.engine or self.model, batch, entropy=True,
                                               entropy_grad=self.cfg.loss.entropy_coef != 0)
             ref = None
             if self.ref_model is not None:
@@ -307,14 +344,25 @@ class Learner:
                     ref, _ = self._forward(self.ref_model, batch)
             loss, figs = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
                                      self.cfg.loss, ref_logprobs=ref, entropy=entropy)
-            # FSDP2 averages gradients over ranks; multiplying by world_size turns that into the sum.
-            (loss * (share * self.world_size)).backward()
+            # FSDP2 and DeepSpeed average gradients over ranks; multiplying by world_size turns that into the sum.
+            self._backward(loss * (share * self.world_size), last=k == len(chunks) - 1)
             for k in LOSS_FIGURES:
                 figures[k] += figs[k] * share if share else 0.0
             for k in TOKEN_FIGURES:
                 figures[k] += figs[k] * token_share if token_share else 0.0
         names = list(figures)
         return dict(zip(names, self._all_reduce([figures[k] for k in names])))
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.engine is None:
+            loss.backward()
+            return
+        # DeepSpeed decides to skip a step from the gradient norm alone; a non-finite loss must therefore make the
+        # gradient non-finite too (adds exactly zero when the loss is finite).
+        anchor = next(p for p in self.model.parameters() if p.requires_grad)
+        loss = loss + (loss.detach() - loss.detach()) * anchor.sum()
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def _grad_norm_and_clip(self) -> float:
         """Global L2 norm of the gradient (before clipping); clips in place when it is finite."""
@@ -332,12 +380,14 @@ class Learner:
     # ------------------------------------------------------------------ weights and checkpoints
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) float32 CPU weights under HF parameter names; on FSDP2 only rank 0 gets them ({}
-        elsewhere). Copies: training on does not change what was exported."""
-        if self.sharded:
+        """Full (unsharded) float32 CPU weights under HF parameter names; with world_size > 1 only rank 0 gets
+        them ({} elsewhere). Copies: training on does not change what was exported. Call on all ranks."""
+        if self.fsdp:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                               cpu_offload=True))
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        if self.rank != 0:  # DeepSpeed ZeRO-1/2: every rank holds whole parameters, rank 0 alone hands them out
+            return {}
+        return {k: v.detach().to("cpu", dtype=torch.float32, copy=True) for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, directory: str | Path, trainer_state: dict) -> Path:
         """Write HF weights + tokenizer, optimizer state, learner and trainer state, and every rank's RNG state to
@@ -350,12 +400,17 @@ class Learner:
         except (TypeError, ValueError) as err:
             raise ValueError(f"trainer_state is not JSON-serialisable: {err}") from err
         weights = self.export_weights()  # collective on FSDP2
-        optim = get_optimizer_state_dict(self.model, self.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        optim = None
+        if self.engine is None:
+            optim = get_optimizer_state_dict(self.model, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         error = ""
         if self.rank == 0:
             error = self._guard(lambda: self._write_rank0(tmp, weights, optim))
         error = self._first_error(error)
+        if not error and self.engine is not None:
+            error = self._first_error(self._guard(lambda: self.engine.save_checkpoint(
+                tmp / DEEPSPEED_DIR, tag=DEEPSPEED_TAG, save_latest=False)))
         if not error:
             rng_file = tmp / f"rng_rank{self.rank}.pt"
             error = self._first_error(self._guard(lambda: torch.save(self._rng_state(), rng_file)))
@@ -373,14 +428,16 @@ class Learner:
             raise RuntimeError(f"could not write checkpoint {final}: {error}; the previous checkpoint is untouched")
         return final
 
-    def _write_rank0(self, tmp: Path, weights: dict, optim: dict) -> None:
+    def _write_rank0(self, tmp: Path, weights: dict, optim: dict | None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.model.save_pretrained(tmp, state_dict=weights)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
-        torch.save(optim, tmp / OPTIMIZER_FILE)
+        if optim is not None:
+            torch.save(optim, tmp / OPTIMIZER_FILE)
         state = {"version": self.version, "world_size": self.world_size,
+                 "optimizer_format": "full" if optim is not None else DEEPSPEED_DIR,
                  "learner_config": dataclasses.asdict(self.cfg)}
         (tmp / LEARNER_STATE).write_text(json.dumps(state, indent=2))
 
@@ -394,7 +451,7 @@ class Learner:
 
     def _first_error(self, error: str) -> str:
         """Share a failure between ranks so that all of them stop together (rank order decides which message)."""
-        if not self.sharded:
+        if not self.distributed:
             return error
         errors: list[str] = [""] * self.world_size
         dist.all_gather_object(errors, error)
@@ -408,19 +465,33 @@ class Learner:
 
     def load_checkpoint(self, directory: str | Path) -> dict:
         """Restore weights, optimizer state, version and this rank's RNG from `directory`; return trainer_state.
-        Call on all ranks. The world size may differ from the one that saved it (RNG then restarts from seed)."""
+        Call on all ranks. A checkpoint with full optimizer state (FSDP2 or one process) resumes at any world size
+        (RNG then restarts from the seed); a DeepSpeed one only under DeepSpeed at its own world size."""
         directory = Path(directory)
         if not (directory / COMPLETE_MARKER).is_file():
             raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER})")
         learner_state = json.loads((directory / LEARNER_STATE).read_text())
-        full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded)
-        weights: dict[str, torch.Tensor] = {}
-        optim: dict = {}
-        if self.rank == 0 or not self.sharded:
-            weights = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
-            optim = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        set_model_state_dict(self.model, weights, options=full)
-        set_optimizer_state_dict(self.model, self.optimizer, optim, options=full)
+        fmt, saved_ws = learner_state.get("optimizer_format", "full"), learner_state["world_size"]
+        want = "full" if self.engine is None else DEEPSPEED_DIR
+        if fmt != want or (fmt == DEEPSPEED_DIR and saved_ws != self.world_size):
+            raise ValueError(f"{directory} holds {fmt!r} optimizer state from world size {saved_ws}; this learner "
+                             f"(strategy {self.cfg.strategy!r}, world size {self.world_size}) needs {want!r}"
+                             + (" at the same world size" if want == DEEPSPEED_DIR else ""))
+        if self.engine is not None:
+            path, _ = self.engine.load_checkpoint(directory / DEEPSPEED_DIR, tag=DEEPSPEED_TAG,
+                                                  load_module_strict=True, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
+            if path is None:
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint under {directory / DEEPSPEED_DIR}")
+        else:
+            full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.fsdp)
+            weights: dict[str, torch.Tensor] = {}
+            optim: dict = {}
+            if self.rank == 0 or not self.fsdp:
+                weights = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+                optim = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            set_model_state_dict(self.model, weights, options=full)
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=full)
         # The config in force rules the hyper-parameters (a resumed run may change, say, the learning rate).
         for group in self.optimizer.param_groups:
             group.update(self._optimizer_hparams())

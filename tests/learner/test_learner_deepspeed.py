@@ -1,0 +1,87 @@
+"""DeepSpeed ZeRO-2 over gloo: two ranks train like one process; NaN steps skip; checkpoints resume exactly.
+Skipped where deepspeed is not installed (it is an optional extra); its first run JIT-compiles a CPU op (~1-2 min)."""
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("deepspeed")
+
+from treepo_ray.algo.losses import LossConfig  # noqa: E402
+from treepo_ray.engines.tiny import build_tiny_model  # noqa: E402
+from treepo_ray.learner import Learner, LearnerConfig, TrainSample  # noqa: E402
+
+
+def _config() -> LearnerConfig:
+    # eps = 1e-5: see test_learner_fsdp.py (keeps summation-order noise in tiny gradients out of Adam's first steps).
+    return LearnerConfig(lr=1e-3, eps=1e-5, micro_batch_size=2, strategy="deepspeed", zero_stage=2,
+                         loss=LossConfig(kl_coef=0.05, entropy_coef=0.01))
+
+
+def _samples() -> list[TrainSample]:
+    return [
+        TrainSample([5, 6, 7], [8, 9, 10, 11], advantages=1.0),
+        TrainSample([12], [13, 14], advantages=-1.0, weight=0.5, old_logprobs=[-5.0, -6.5]),
+        TrainSample([20, 21, 22, 23, 24], [25], advantages=0.5),
+        TrainSample([30, 31], [32, 33, 34, 35, 36, 37], advantages=[1.0, -1.0, 0.5, 0.0, 2.0, -0.5]),
+        TrainSample([40, 41, 42], [43, 44, 45], advantages=-0.75, weight=2.0),
+    ]
+
+
+SHARDS = (slice(0, 3), slice(3, 5))
+
+
+def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    learner = Learner(model_path, _config(), rank=rank, world_size=2, master_port=port)
+    shard = _samples()[SHARDS[rank]]
+    metrics = [learner.train_step(shard) for _ in range(2)]
+    ckpt = learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": 2})
+    w2 = learner.export_weights()
+    # A NaN advantage on one rank only: every rank skips the step.
+    bad = [dataclasses.replace(shard[0], advantages=float("nan"))] + shard[1:] if rank == 1 else shard
+    nan_metrics = learner.train_step(bad)
+    w_nan = learner.export_weights()
+    m3 = learner.train_step(shard)
+    w3 = learner.export_weights()
+    assert learner.load_checkpoint(ckpt) == {"step": 2} and learner.version == 2
+    m3_again = learner.train_step(shard)
+    w3_again = learner.export_weights()
+    if rank == 0:
+        torch.save(dict(metrics=metrics, w2=w2, nan=nan_metrics, w_nan=w_nan, m3=m3, w3=w3, m3_again=m3_again,
+                        w3_again=w3_again), f"{out_dir}/results.pt")
+    learner.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_deepspeed_zero2_two_ranks(tmp_path):
+    model_path = build_tiny_model(tmp_path / "model")
+    mp.spawn(_worker, args=(str(model_path), _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = torch.load(tmp_path / "results.pt", weights_only=False)
+
+    single = Learner(model_path, _config())  # world_size 1: the plain model, whatever the strategy
+    assert single.engine is None
+    want = [single.train_step(_samples()) for _ in range(2)]
+    for g, w in zip(r["metrics"], want):
+        for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), key
+    for k, v in single.export_weights().items():
+        torch.testing.assert_close(r["w2"][k], v, atol=1e-5, rtol=0)
+
+    assert r["nan"]["skipped"] == 1 and r["nan"]["version"] == 2
+    assert all(torch.equal(r["w_nan"][k], v) for k, v in r["w2"].items())
+    assert r["m3"]["skipped"] == 0 and r["m3"]["version"] == 3
+    # Resuming from the checkpoint replays step 3 exactly.
+    assert r["m3_again"]["loss"] == r["m3"]["loss"] and r["m3_again"]["grad_norm"] == r["m3"]["grad_norm"]
+    assert all(torch.equal(r["w3_again"][k], v) for k, v in r["w3"].items())
+    # Its optimizer state is DeepSpeed's per-rank partitions: a single process refuses it with a clear error.
+    with pytest.raises(ValueError, match="'deepspeed' optimizer state from world size 2"):
+        single.load_checkpoint(tmp_path / "checkpoint-00000002")
