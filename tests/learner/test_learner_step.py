@@ -33,14 +33,15 @@ def _params(learner):
     return {k: v.detach().clone() for k, v in learner.model.named_parameters()}
 
 
-def test_compute_logprobs_matches_manual_log_softmax(model_path):
-    learner = Learner(model_path, LearnerConfig(micro_batch_size=2))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_compute_logprobs_matches_manual_log_softmax(model_path, temperature):
+    learner = Learner(model_path, LearnerConfig(micro_batch_size=2, temperature=temperature))
     got = learner.compute_logprobs(_samples())
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for s, lp in zip(_samples(), got):
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        ids = torch.tensor([s.prompt_ids + s.response_ids])  # one unpadded sequence at a time
         with torch.no_grad():
-            log_p = hf(input_ids=ids).logits[0].log_softmax(-1)
+            log_p = (hf(input_ids=ids).logits[0] / temperature).log_softmax(-1)
         p = len(s.prompt_ids)
         want = [log_p[p - 1 + j, tok].item() for j, tok in enumerate(s.response_ids)]
         assert lp == pytest.approx(want, abs=1e-5)
