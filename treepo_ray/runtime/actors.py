@@ -26,12 +26,15 @@ GROWERS = {"sequential": SequentialGrower, "treepo": TreePOGrower, "treerpo": Tr
 
 
 def limit_threads(n: int) -> None:
-    """Pin torch (and the BLAS pools) of this process to `n` threads, so an actor uses the CPUs it reserved."""
+    """Pin torch (and the BLAS pools) of this process to `n` threads, so an actor uses the CPUs it reserved;
+    and keep model loading quiet (one progress bar per actor would bury the job's own output)."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(n)
     torch.set_num_threads(n)
+    hf_logging.disable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -142,7 +145,7 @@ class VerifierActor:
     def __init__(self, timeout_s: float):
         from treepo_ray.rewards import BatchScorer
 
-        self.scorer = BatchScorer(timeout_s=timeout_s)
+        self.scorer = BatchScorer(timeout_s=timeout_s)  # routes each item by its data_source
 
     def score(self, items: list[tuple[str, str, str]]) -> list[float]:
         return self.scorer.score_batch(items)

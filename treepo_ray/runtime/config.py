@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.runtime.batch import AlgoConfig
 from treepo_ray.runtime.logs import LogConfig
@@ -36,14 +37,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The prompts: the synthetic task here, or a dataset the data layer can load."""
+    """The prompts: the synthetic task, or local dataset files (see treepo_ray.data.load_records)."""
 
     name: str = "synthetic"
-    """Dataset: 'synthetic' (the built-in task) or a path/name the data layer understands."""
+    """'synthetic' (the built-in addition task), a folder with train/test files, 'train.jsonl,test.jsonl', or one
+    file (then nothing is held out)."""
     seed: int = 0
     """Seed of the synthetic task's problems and of the base model's pretraining."""
     shuffle: bool = True
     """Shuffle the training prompts every epoch (deterministically from trainer.seed and the epoch)."""
+    prompt: DatasetConfig = field(default_factory=DatasetConfig)
+    """How rows become prompts (chat template, length limit, bad rows)."""
 
 
 @dataclass
@@ -131,7 +135,11 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     """Keep the newest this many checkpoints; older ones are deleted."""
     eval_size: int = 500
-    """Held-out problems evaluated (greedy, one answer each) before training and at the end (0 = no eval)."""
+    """Held-out problems evaluated before training and at the end (0 = no evaluation)."""
+    eval_samples: int = 4
+    """Answers sampled per held-out problem; accuracy is pass@1, their mean (1 answer when greedy)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of evaluation (0 = greedy decoding)."""
     eval_every: int = 0
     """Also evaluate every this many steps during training (0 = only before and after)."""
     eval_max_new_tokens: int = 0

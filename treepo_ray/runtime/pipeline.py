@@ -96,7 +96,7 @@ class Pipeline:
                                     rt.learner_resources, rt.torch_threads)
         self.engine_version = 0
         self.eval_set: list[dict] = []
-        self.eval_tokens = 0
+        self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
         self._published: tuple[int, object] = (0, None)  # newest (version, weights ObjectRef) of the learner
         self._lock = threading.Lock()
 
@@ -195,23 +195,26 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------------------ evaluation
 
-    def evaluate(self, problems: list[dict], max_new_tokens: int) -> dict:
-        """Greedy accuracy (one answer per problem, temperature 0) of the weights the engines hold now."""
+    def evaluate(self, problems: list[dict], max_new_tokens: int, samples: int = 1, temperature: float = 1.0) -> dict:
+        """Held-out pass@1 of the weights the engines hold now: the mean accuracy of `samples` answers per problem
+        drawn at `temperature` (0 = greedy, one answer). Seeds are fixed per problem, so two evaluations of the
+        same weights agree and two of different weights differ only by the weights."""
         if not problems:
             return {}
         t0 = time.perf_counter()
+        samples = 1 if temperature == 0 else samples
         engines = self.pool.engines
-        greedy = SamplingParams(temperature=0.0, seed=0)
-        reqs = [SegmentRequest(f"eval-v{self.engine_version}/{i}", list(p["prompt_ids"]), max_new_tokens, 1, greedy)
+        reqs = [SegmentRequest(f"eval-v{self.engine_version}/{i}", list(p["prompt_ids"]), max_new_tokens, samples,
+                               SamplingParams(temperature=temperature, seed=1_000_003 * i))
                 for i, p in enumerate(problems)]
         parts = ray.get([e.generate.remote(reqs[j::len(engines)]) for j, e in enumerate(engines)])
         results = [None] * len(reqs)
         for j, part in enumerate(parts):
             results[j::len(engines)] = part
-        texts = [self.tokenizer.decode(r.children[0].token_ids, skip_special_tokens=True) for r in results]
-        triples = [(p.get("data_source", ""), t, p["ground_truth"]) for p, t in zip(problems, texts)]
+        triples = [(p.get("data_source", ""), self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                    p["ground_truth"]) for p, r in zip(problems, results) for c in r.children]
         rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
-        lengths = [len(r.children[0].token_ids) for r in results]
+        lengths = [len(c.token_ids) for r in results for c in r.children]
         return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
                 "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
                 "eval/problems": float(len(problems)), "eval/version": float(self.engine_version),
@@ -242,7 +245,7 @@ class Pipeline:
                     sync_s = self.sync_weights(min_version=step - s)
                     evaluated = {}
                     if eval_every and step > start_step and step % eval_every == 0:
-                        evaluated = self.evaluate(self.eval_set, self.eval_tokens)
+                        evaluated = self.evaluate(self.eval_set, **self.eval_args)
                     batch = self.make_batch(step, stream, trees_per_step)
                     batch.metrics.update(evaluated, **{"time/weight_sync": sync_s})
                     batches.put(batch)

@@ -53,9 +53,9 @@ def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
 
 def load_task(cfg: TrainConfig, tokenizer) -> tuple[list[dict], list[dict]]:
     """Training and held-out records {id, prompt_text, prompt_ids, ground_truth, data_source}."""
-    from treepo_ray import data
+    from treepo_ray.data import load_records
 
-    return data.load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir)
+    return load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, cfg=cfg.data.prompt)
 
 
 def resolve_model(cfg: TrainConfig) -> str:
@@ -88,7 +88,10 @@ def run(cfg: TrainConfig) -> dict:
     test_set = test_set[: cfg.trainer.eval_size]
     init_ray(cfg)
     tr = cfg.trainer
-    eval_tokens = tr.eval_max_new_tokens or cfg.sampler_config.response_limit()
+    eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
+                     samples=tr.eval_samples, temperature=tr.eval_temperature)
+    eval_method = (f"pass@1, mean of {tr.eval_samples} samples per problem at temperature {tr.eval_temperature}"
+                   if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
 
     pipe = Pipeline(cfg, model_path, tokenizer)
     state: dict = {"step": 0, "data_position": 0, "elapsed_s": 0.0, "trajectories": 0}
@@ -103,16 +106,16 @@ def run(cfg: TrainConfig) -> dict:
         pipe.publish(start)
         pipe.sync_weights(start)
     if "base_eval" not in state:
-        state["base_eval"] = pipe.evaluate(test_set, eval_tokens)
+        state["base_eval"] = pipe.evaluate(test_set, **eval_args)
         if state["base_eval"]:
             print(f"base model: held-out accuracy {state['base_eval']['eval/accuracy']:.3f} "
-                  f"on {len(test_set)} problems (greedy)")
+                  f"on {len(test_set)} problems ({eval_method})")
             logger.log(0, state["base_eval"])
 
     stream = PromptStream(train_set, tr.seed, cfg.data.shuffle, position=state["data_position"])
     end = tr.steps if not tr.stop_after else min(tr.steps, start + tr.stop_after)
     bar = tqdm(total=tr.steps, initial=start, desc=f"{cfg.algo.name} train", unit="step", dynamic_ncols=True)
-    pipe.eval_set, pipe.eval_tokens = test_set, eval_tokens
+    pipe.eval_set, pipe.eval_args = test_set, eval_args
     elapsed0, loop_start = state["elapsed_s"], time.time()
 
     def save(step: int, data_position: int) -> None:
@@ -143,14 +146,13 @@ def run(cfg: TrainConfig) -> dict:
                "max_staleness": cfg.runtime.max_staleness, "wall_time_s": time.time() - started,
                "train_time_s": elapsed0 + loop_s,
                "trajectories": state["trajectories"],
-               "eval_method": "greedy (temperature 0), one answer per problem", "eval_problems": len(test_set)}
+               "eval_method": eval_method, "eval_problems": len(test_set)}
     summary["trajectories_per_s"] = state["trajectories"] / max(summary["train_time_s"], 1e-9)
     base = state["base_eval"].get("eval/accuracy")
     summary["base_accuracy"] = base
     if completed and test_set:
-        pipe.publish(done)
-        pipe.sync_weights(done)
-        final = pipe.evaluate(test_set, eval_tokens)
+        pipe.sync_weights(done)  # the consumer published the final weights after the last step
+        final = pipe.evaluate(test_set, **eval_args)
         logger.log(done, final)
         summary["final_accuracy"] = final["eval/accuracy"]
         summary["improvement_points"] = 100 * (final["eval/accuracy"] - base) if base is not None else None
@@ -166,7 +168,7 @@ def format_summary(s: dict) -> str:
     lines = [f"== {s['algorithm']}: {s['steps']} steps in {s['wall_time_s']:.0f}s "
              f"({s['trajectories_per_s']:.1f} trajectories/s, max_staleness {s['max_staleness']})"]
     if s.get("base_accuracy") is not None:
-        lines.append(f"   held-out accuracy ({s['eval_problems']} problems, greedy): base {s['base_accuracy']:.3f}"
+        lines.append(f"   held-out accuracy ({s['eval_problems']} problems, {s['eval_method']}): base {s['base_accuracy']:.3f}"
                      + (f" -> final {s['final_accuracy']:.3f} ({s['improvement_points']:+.1f} points)"
                         if s.get("final_accuracy") is not None else ""))
     lines.append(f"   run directory: {s['run_dir']} (summary.json, metrics.jsonl, trees.jsonl, training_curve.png)")
@@ -192,3 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     summary = run(cfg)
     return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
