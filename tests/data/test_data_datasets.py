@@ -1,0 +1,163 @@
+"""Dataset loading: verl and plain layouts, JSONL and Parquet, templates, length limits, bad rows, routing."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from treepo_ray.data.datasets import DatasetConfig, load_dataset, load_records
+from treepo_ray.data.synthetic import DATA_SOURCE, SyntheticTaskConfig, write_splits
+from treepo_ray.engines.tiny import build_tokenizer
+from treepo_ray.rewards import BatchScorer, score
+
+CHAT = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+VERL_ROWS = [
+    {
+        "data_source": "aime",
+        "prompt": [{"role": "user", "content": "What is 1+1?"}],
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"index": 7},
+    },
+    {"data_source": "gsm8k", "prompt": "Half of 3?", "reward_model": {"ground_truth": 1.5}},
+]
+PLAIN_ROWS = [{"problem": "Q: 12+30\n", "answer": "42"}, {"problem": "Q: 1+2\n", "answer": 3, "id": "p2"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    t = build_tokenizer()
+    t.chat_template = CHAT
+    return t
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_verl_layout_jsonl_plain_template(tmp_path, tok):
+    recs = load_dataset(write_jsonl(tmp_path / "v.jsonl", VERL_ROWS), tok)
+    assert [r["id"] for r in recs] == ["7", "v/1"]
+    assert recs[0]["prompt_text"] == "What is 1+1?"
+    assert recs[0]["ground_truth"] == "2" and recs[1]["ground_truth"] == "1.5"
+    assert [r["data_source"] for r in recs] == ["aime", "gsm8k"]
+    assert recs[0]["prompt_ids"] == tok("What is 1+1?", add_special_tokens=False).input_ids
+
+
+def test_verl_layout_parquet_chat_template(tmp_path, chat_tok):
+    path = tmp_path / "v.parquet"
+    pq.write_table(pa.Table.from_pylist([VERL_ROWS[0], {**VERL_ROWS[0], "extra_info": {"index": 8}}]), path)
+    recs = load_dataset(path, chat_tok, DatasetConfig(system_prompt="Box it."))
+    assert len(recs) == 2
+    assert recs[0]["prompt_text"] == "<|user|>What is 1+1?\n<|assistant|>"
+    assert recs[0]["prompt_ids"] == chat_tok(recs[0]["prompt_text"], add_special_tokens=False).input_ids
+    # a text prompt under a chat template becomes a user message, after the configured system prompt
+    recs = load_dataset(write_jsonl(tmp_path / "t.jsonl", VERL_ROWS[1:]), chat_tok, DatasetConfig(system_prompt="Box it."))
+    assert recs[0]["prompt_text"] == "<|system|>Box it.\n<|user|>Half of 3?\n<|assistant|>"
+
+
+def test_plain_layout_both_formats(tmp_path, tok):
+    j = load_dataset(write_jsonl(tmp_path / "p.jsonl", PLAIN_ROWS), tok, DatasetConfig(default_data_source="arith"))
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": str(r["answer"])} for r in PLAIN_ROWS]), path)
+    p = load_dataset(path, tok, DatasetConfig(plain_template="Problem: {problem}Answer:"))
+    assert [r["prompt_text"] for r in j] == ["Q: 12+30\n", "Q: 1+2\n"]
+    assert [r["ground_truth"] for r in j] == ["42", "3"] and j[1]["id"] == "p2"
+    assert j[0]["data_source"] == "arith"
+    assert p[0]["prompt_text"] == "Problem: Q: 12+30\nAnswer:"
+
+
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ({"prompt": "x"}, "reward_model.ground_truth"),
+        ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}, "prompt[0]"),
+        ({"prompt": 5, "reward_model": {"ground_truth": "1"}}, "prompt"),
+        ({"problem": "x", "answer": ["1"]}, "answer"),
+        ({"problem": "", "answer": "1"}, "prompt"),
+        ({"question": "x"}, "problem"),
+    ],
+)
+def test_bad_row_error_names_file_row_and_field(tmp_path, tok, row, field):
+    path = write_jsonl(tmp_path / "bad.jsonl", [PLAIN_ROWS[0], row])
+    with pytest.raises(ValueError) as e:
+        load_dataset(path, tok)
+    assert str(path) in str(e.value) and "row 1" in str(e.value) and repr(field) in str(e.value)
+
+
+def test_skip_bad_rows_counts(tmp_path, tok):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [PLAIN_ROWS[0], "{not json", {"problem": "x"}, PLAIN_ROWS[1], "[1]"])
+    with pytest.raises(ValueError, match="row 1: not valid JSON"):
+        load_dataset(path, tok)
+    ds = load_dataset(path, tok, DatasetConfig(skip_bad_rows=True))
+    assert len(ds) == 2 and ds.bad_rows == 3 and len(ds.errors) == 3
+    assert "field 'answer' is missing" in ds.errors[1]
+    # a repeated id is a bad row too
+    dup = write_jsonl(tmp_path / "dup.jsonl", [PLAIN_ROWS[1], PLAIN_ROWS[1]])
+    with pytest.raises(ValueError, match="row 1: field 'id' repeats"):
+        load_dataset(dup, tok)
+
+
+def test_prompt_length_filter_truncate_error(tmp_path, tok):
+    rows = [{"problem": "a" * 5, "answer": "1"}, {"problem": "b" * 20, "answer": "2"}]
+    path = write_jsonl(tmp_path / "len.jsonl", rows)
+    ds = load_dataset(path, tok, DatasetConfig(max_prompt_tokens=10))
+    assert [r["ground_truth"] for r in ds] == ["1"] and ds.overlong_rows == 1
+    ds = load_dataset(path, tok, DatasetConfig(max_prompt_tokens=10, overlong="truncate_left"))
+    assert len(ds[1]["prompt_ids"]) == 10 and ds[1]["prompt_text"] == "b" * 10
+    with pytest.raises(ValueError, match="row 1: field 'prompt' has 20 tokens"):
+        load_dataset(path, tok, DatasetConfig(max_prompt_tokens=10, overlong="error"))
+    with pytest.raises(ValueError, match="overlong"):
+        DatasetConfig(overlong="drop")
+
+
+def test_unknown_file_format(tmp_path, tok):
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unknown format"):
+        load_dataset(tmp_path / "d.csv", tok)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_dataset(tmp_path / "none.jsonl", tok)
+
+
+class _Data:
+    def __init__(self, name, seed=0):
+        self.name, self.seed = name, seed
+
+
+def test_synthetic_splits_through_the_same_loader_and_router(tmp_path, tok):
+    train, test = write_splits(tmp_path / "syn", SyntheticTaskConfig(digits=2), 20, 4, seed=0)
+    for name in (str(tmp_path / "syn"), f"{train},{test}"):
+        tr, te = load_records(_Data(name), tok)
+        assert len(tr) == 20 and len(te) == 4
+        assert tr[0]["data_source"] == DATA_SOURCE and tr[0]["prompt_text"].startswith("Q: ")
+    tr, te = load_records(_Data(str(train)), tok)
+    assert len(tr) == 20 and te == []
+    # routing: the synthetic source is judged exactly, anything else by the math verifier
+    assert score(DATA_SOURCE, r"\boxed{42}", "42")["score"] == 1.0
+    assert score(DATA_SOURCE, r"\boxed{42.0}", "42")["score"] == 0.0
+    with BatchScorer(timeout_s=3.0) as scorer:
+        assert scorer.score_batch(
+            [(DATA_SOURCE, r"\boxed{42.0}", "42"), ("math", r"\boxed{42.0}", "42"), ("math", r"\boxed{7}", "42")]
+        ) == [0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="data.name"):
+        load_records(_Data(str(tmp_path / "missing")), tok)
+
+
+def test_synthetic_default_files_are_cached(tmp_path, tok):
+    tr, te = load_records(_Data("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
+    (folder,) = [p for p in tmp_path.iterdir()]
+    before = (folder / "train.jsonl").stat().st_mtime_ns
+    tr2, te2 = load_records(_Data("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
+    assert (folder / "train.jsonl").stat().st_mtime_ns == before
+    assert tr2 == tr and te2 == te and (len(tr), len(te)) == (300, 30)
+    assert not {r["id"] for r in tr} & {r["id"] for r in te}
