@@ -1,0 +1,266 @@
+"""`treepo-ray bench`: tree vs sequential sampling throughput on one engine, in one process.
+
+Both modes grow the same prompts with the same engine, model, width (trajectories per prompt), sampling parameters
+and response budget (max_depth x segment_len tokens). Sequential is plain i.i.d. sampling: the root asks for
+`width` children of the whole budget in one segment. Tree is TreePO (binary initial divergence, branch factor 2).
+The model is random, so to make every path use its full budget (and the two modes generate comparable amounts),
+the bench samples at temperature 1.0 with EOS ignored (engine `stop_at_eos` off, growers given no EOS id) and
+without the repetition check; no random text holds a complete \\boxed{}.
+
+Reported per mode: trajectories, generated_tokens (every node's segment), forward_tokens (every position run
+through the model), unique_tree_tokens (prompt once + every node's segment once), wall_s, traj_per_s, tok_per_s
+(generated tokens / s) and a time breakdown (the engine's phases; `driver` is the rest: growers and requests).
+Ratios: token_bound = sequential forward_tokens / tree forward_tokens (the speedup a perfect engine would get),
+speedup = tree traj/s / sequential traj/s, and speedup_over_bound. `--sweep` runs depth x segment configurations
+of equal budget and saves the TreePO paper's Figure 4/5-shaped plots (trajectories/s and tokens/s per config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from treepo_ray.engines import make_engine
+from treepo_ray.engines.base import SamplingParams
+from treepo_ray.engines.driver import grow
+from treepo_ray.tree import SequentialConfig, SequentialGrower, Tree, TreePOConfig, TreePOGrower
+
+PROMPTS = [
+    "Question: What is 17 * 23? Think step by step.\nAnswer:",
+    "Question: A train travels 120 km in 1.5 hours. What is its average speed in km/h?\nAnswer:",
+    "Question: Solve for x: 3x + 7 = 25.\nAnswer:",
+    "Question: How many primes are there below 30?\nAnswer:",
+    "Question: The sum of two numbers is 40 and their difference is 12. What is the larger one?\nAnswer:",
+    "Question: What is the remainder when 2^10 is divided by 7?\nAnswer:",
+    "Question: A rectangle has perimeter 36 and one side of length 7. What is its area?\nAnswer:",
+    "Question: Compute 1 + 2 + ... + 50.\nAnswer:",
+]
+SWEEP = [(2, 128), (4, 64), (8, 32), (16, 16)]
+MODES = ("sequential", "tree")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="treepo-ray bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF model directory (default: build a random tiny Qwen2 in a temp dir)")
+    p.add_argument("--engine", default="hf", help="comma-separated engine names (treepo_ray.engines.ENGINES)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts (cycled from a built-in list)")
+    p.add_argument("--width", type=int, default=16, help="trajectories per prompt (w)")
+    p.add_argument("--depth", type=int, default=4, help="max depth (segments per path) of the tree")
+    p.add_argument("--segment-len", type=int, default=64, help="tokens per segment")
+    p.add_argument("--init-divergence", type=int, default=2, help="children of the root (2 = binary)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode and config (the median is kept)")
+    p.add_argument("--sweep", action="store_true", help=f"run depth x segment configs {SWEEP} (same budget)")
+    p.add_argument("--budget", type=int, default=256, help="response tokens per path in --sweep (depth x segment)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot-dir", help="where --sweep saves its PNG plots (default: beside --json, else .)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of the built tiny model")
+    p.add_argument("--layers", type=int, default=4, help="layers of the built tiny model")
+    p.add_argument("--heads", type=int, default=8, help="attention heads of the built tiny model")
+    p.add_argument("--kv-heads", type=int, default=1, help="key/value heads of the built tiny model")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1 is steadiest when other processes share the cores; 0 = torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, where: Path) -> Path:
+    from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
+
+    cfg = TinyModelConfig(
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        max_positions=2048,
+        seed=args.seed,
+    )
+    return build_tiny_model(where, cfg)
+
+
+def make_growers(mode: str, prompts: list[list[int]], args, depth: int, seg: int, decode) -> list:
+    # eos_token_id=-1: the growers never see an EOS, so every path runs its full budget (see module docstring).
+    common = dict(eos_token_id=-1, decode=decode)
+    out = []
+    for i, ids in enumerate(prompts):
+        tree = Tree(list(ids), query_id=f"p{i}")
+        if mode == "tree":
+            cfg = TreePOConfig(width=args.width, max_depth=depth, segment_len=seg,
+                               init_divergence=args.init_divergence, repetition_substr_len=0)
+            out.append(TreePOGrower(tree, cfg, seed=args.seed + i, **common))
+        else:
+            cfg = SequentialConfig(group_size=args.width, max_depth=1, segment_len=depth * seg,
+                                   repetition_substr_len=0)
+            out.append(SequentialGrower(tree, cfg, seed=args.seed + i, **common))
+    return out
+
+
+def run_mode(engine, mode: str, prompts, args, depth: int, seg: int, decode, bar) -> dict:
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    growers = make_growers(mode, prompts, args, depth, seg, decode)
+    cpu = time.process_time()
+    r = grow(growers, engine, params, stop_at_eos=False, progress=bar)
+    cpu = time.process_time() - cpu
+    phases = {k[len("time_") : -len("_s")]: v for k, v in r.items() if k.startswith("time_")}
+    phases["driver"] = max(r["wall_s"] - sum(phases.values()), 0.0)
+    return {
+        "trajectories": r["trajectories"],
+        "generated_tokens": r["generated_tokens"],
+        "forward_tokens": r["forward_tokens"],
+        "unique_tree_tokens": r["unique_tree_tokens"],
+        "wall_s": r["wall_s"],
+        "cpu_s": cpu,
+        "traj_per_s": r["trajectories"] / r["wall_s"],
+        "tok_per_s": r["generated_tokens"] / r["wall_s"],
+        "forward_over_unique": r["forward_tokens"] / r["unique_tree_tokens"],
+        "decode_steps": r["decode_steps"],
+        "cache_hits": r.get("cache_hits", 0),
+        "evictions": r.get("evictions", 0),
+        "time_s": phases,
+    }
+
+
+def run_config(engine, prompts, args, depth: int, seg: int, decode, bar) -> dict:
+    """`repeats` timed runs of each mode (alternating order); the run with the median wall time is kept."""
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for rep in range(args.repeats):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+            runs[mode].append(run_mode(engine, mode, prompts, args, depth, seg, decode, bar))
+    out: dict = {"depth": depth, "segment_len": seg}
+    for mode in MODES:
+        ordered = sorted(runs[mode], key=lambda r: r["wall_s"])
+        out[mode] = dict(ordered[len(ordered) // 2])
+        out[mode]["wall_s_runs"] = [round(r["wall_s"], 4) for r in runs[mode]]
+        out[mode]["cpu_s_runs"] = [round(r["cpu_s"], 4) for r in runs[mode]]
+    s, t = out["sequential"], out["tree"]
+    bound = s["forward_tokens"] / t["forward_tokens"]
+    speedup = t["traj_per_s"] / s["traj_per_s"]
+    out["ratios"] = {
+        "token_bound": bound,
+        "speedup": speedup,
+        "speedup_over_bound": speedup / bound,
+        "tok_per_s": t["tok_per_s"] / s["tok_per_s"],
+        "speedups_per_repeat": [round(a / b, 4) for a, b in zip(s["wall_s_runs"], t["wall_s_runs"])],
+        # Process CPU time instead of wall time: steadier when other processes compete for the cores.
+        "cpu_speedup": statistics.median(s["cpu_s_runs"]) / statistics.median(t["cpu_s_runs"]),
+    }
+    return out
+
+
+def table(results: list[dict], engine: str) -> str:
+    head = (f"{'engine':<6} {'depth':>5} {'seg':>4} {'mode':<10} {'traj':>5} {'gen_tok':>8} {'fwd_tok':>8} "
+            f"{'fwd/uniq':>8} {'wall_s':>7} {'traj/s':>7} {'tok/s':>8}")
+    lines = [head]
+    for r in results:
+        for mode in MODES:
+            m = r[mode]
+            lines.append(
+                f"{engine:<6} {r['depth']:>5} {r['segment_len']:>4} {mode:<10} {m['trajectories']:>5} "
+                f"{m['generated_tokens']:>8} {m['forward_tokens']:>8} {m['forward_over_unique']:>8.3f} "
+                f"{m['wall_s']:>7.2f} {m['traj_per_s']:>7.2f} {m['tok_per_s']:>8.0f}"
+            )
+        q = r["ratios"]
+        lines.append(
+            f"{'':<6} {'':>5} {'':>4} tree/seq   token_bound {q['token_bound']:.2f}  speedup {q['speedup']:.2f}  "
+            f"speedup/bound {q['speedup_over_bound']:.2f}  per repeat {q['speedups_per_repeat']}  "
+            f"cpu-time speedup {q['cpu_speedup']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], engine: str, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    labels = [f"d{r['depth']}×l{r['segment_len']}" for r in results]
+    paths = []
+    for key, title in (("traj_per_s", "trajectories / s"), ("tok_per_s", "generated tokens / s")):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for mode, marker in zip(MODES, "os"):
+            ax.plot(labels, [r[mode][key] for r in results], marker=marker, label=mode)
+        for x, r in enumerate(results):
+            ax.annotate(f"×{r['ratios']['speedup']:.2f}\n(bound {r['ratios']['token_bound']:.2f})",
+                        (x, r["tree"][key]), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        ax.set_xlabel("depth × segment length (equal budget)")
+        ax.set_ylabel(title)
+        ax.set_title(f"{engine}: {title}")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"bench_{engine}_{key}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.width < 1 or args.prompts < 1 or args.repeats < 1 or args.depth < 1 or args.segment_len < 1:
+        print("bench: --width, --prompts, --repeats, --depth and --segment-len must be >= 1", file=sys.stderr)
+        return 2
+    if args.sweep:
+        configs = [(d, args.budget // d) for d, _ in SWEEP if args.budget // d >= 1]
+    else:
+        configs = [(args.depth, args.segment_len)]
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = Path(args.model) if args.model else build_model(args, Path(tmp) / "model")
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
+        report: dict = {"command": ["treepo-ray", "bench", *(sys.argv[1:] if argv is None else argv)],
+                        "settings": {k: v for k, v in vars(args).items()}, "engines": {}}
+        for name in [e.strip() for e in args.engine.split(",") if e.strip()]:
+            kw = {"num_threads": args.threads} if args.threads > 0 and args.device == "cpu" else {}
+            engine = make_engine(name, str(model_path), device=args.device, max_batch_size=args.max_batch_size, **kw)
+            n_runs = 1 + len(configs) * args.repeats
+            bar = tqdm(total=n_runs * 2 * len(prompts), desc=f"bench {name}", unit="tree",
+                       disable=args.no_progress, file=sys.stderr)
+            # Warm up once (allocations, kernels) on the first config, untimed.
+            for mode in MODES:
+                run_mode(engine, mode, prompts, args, configs[0][0], configs[0][1], tokenizer.decode, bar)
+            results = [run_config(engine, prompts, args, d, s, tokenizer.decode, bar) for d, s in configs]
+            bar.close()
+            print(table(results, name))
+            entry: dict = {"results": results}
+            if args.sweep:
+                plot_dir = Path(args.plot_dir) if args.plot_dir else (Path(args.json).parent if args.json else Path("."))
+                entry["plots"] = plot(results, name, plot_dir)
+                best = max(results, key=lambda r: r["ratios"]["speedup"])
+                entry["best"] = {"depth": best["depth"], "segment_len": best["segment_len"], **best["ratios"]}
+                print("plots:", ", ".join(entry["plots"]))
+            else:
+                entry.update({m: results[0][m] for m in MODES}, ratios=results[0]["ratios"])
+            report["engines"][name] = entry
+            del engine
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=_jsonable))
+        print("wrote", args.json)
+    return 0
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

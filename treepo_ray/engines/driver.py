@@ -1,0 +1,161 @@
+"""Grow many trees on one engine: growers' asks in, engine segments out, prompts advancing independently.
+
+`TreeTracker` is the bookkeeping between growers (layer 1) and an engine: it turns a grower's ready asks into
+`SegmentRequest`s (full prefix ids, plus the cache key the engine returned for the node, so a prefix-caching engine
+continues without recomputing it) and turns results back into tree nodes. It never calls an engine, so the Ray
+runtime reuses it with remote engines. `grow` is the plain local loop over one in-process engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from treepo_ray.engines.base import Engine, SamplingParams, SegmentRequest, SegmentResult
+from treepo_ray.tree import Child, Grower
+
+
+@dataclass
+class _Tracked:
+    grower: Grower
+    keys: dict[int, str] = field(default_factory=dict)
+    """Tree node -> the engine's cache key for it."""
+    open: dict[str, int] = field(default_factory=dict)
+    """Engine request id -> the node it continues, for every request sent and not yet delivered."""
+
+
+class TreeTracker:
+    """Maps growers' asks to engine requests and engine results back to tree nodes (one engine's keys)."""
+
+    def __init__(self, params: SamplingParams | None = None, stop_at_eos: bool = True):
+        """`params`: sampling parameters of every request (each ask's seed replaces `params.seed`)."""
+        self.params = params or SamplingParams()
+        self.stop_at_eos = stop_at_eos
+        self._growers: dict[int, _Tracked] = {}
+        self._by_request: dict[str, _Tracked] = {}
+        self._next = 0
+        self._ids: dict[int, int] = {}  # id(grower) -> tracker-local number
+
+    def _tracked(self, grower: Grower) -> tuple[int, _Tracked]:
+        gid = self._ids.get(id(grower))
+        if gid is None or self._growers[gid].grower is not grower:
+            gid, self._next = self._next, self._next + 1
+            self._ids[id(grower)] = gid
+            self._growers[gid] = _Tracked(grower)
+        return gid, self._growers[gid]
+
+    def to_requests(self, grower: Grower) -> list[SegmentRequest]:
+        """Every ask the grower has ready, as engine requests (request ids are unique across growers)."""
+        gid, t = self._tracked(grower)
+        out = []
+        for ask in grower.asks():
+            rid = f"{gid}:{ask.request_id}"
+            if rid in self._by_request:
+                raise ValueError(f"grower asked for request {ask.request_id!r} twice")
+            t.open[rid] = ask.node
+            self._by_request[rid] = t
+            out.append(
+                SegmentRequest(
+                    request_id=rid,
+                    prefix_ids=grower.tree.prefix_ids(ask.node),
+                    max_new_tokens=ask.max_new_tokens,
+                    n=ask.n,
+                    params=replace(self.params, seed=ask.seed),
+                    parent_key=t.keys.get(ask.node),
+                    stop_at_eos=self.stop_at_eos,
+                )
+            )
+        return out
+
+    def deliver(self, result: SegmentResult) -> tuple[Grower, list[int]]:
+        """Hand a result to the grower that asked for it; return that grower and the new node ids."""
+        t = self._by_request.pop(result.request_id, None)
+        if t is None:
+            raise ValueError(f"result for unknown request {result.request_id!r}")
+        del t.open[result.request_id]
+        ask_id = result.request_id.split(":", 1)[1]
+        children = [Child(list(s.token_ids), list(s.logprobs), s.finish_reason) for s in result.children]
+        nodes = t.grower.receive(ask_id, children)
+        for node, seg in zip(nodes, result.children):
+            if seg.cache_key is not None:
+                t.keys[node] = seg.cache_key
+        # The oldest policy that wrote any of the tree's tokens (what a staleness check must look at).
+        meta = t.grower.tree.meta
+        meta["weights_version"] = min(meta.get("weights_version", result.weights_version), result.weights_version)
+        return t.grower, nodes
+
+    def release(self, grower: Grower) -> list[str]:
+        """Forget a grower; return the cache keys of its tree for `engine.release` (no request may be open)."""
+        gid = self._ids.get(id(grower))
+        if gid is None or self._growers[gid].grower is not grower:
+            return []
+        t = self._growers[gid]
+        if t.open:
+            raise ValueError(f"grower of tree {grower.tree.query_id!r} still has {len(t.open)} open requests")
+        del self._growers[gid], self._ids[id(grower)]
+        return list(t.keys.values())
+
+    def open_requests(self) -> int:
+        return len(self._by_request)
+
+
+Progress = Callable[[Grower], Any]
+
+
+def grow(
+    growers: list[Grower],
+    engine: Engine,
+    params: SamplingParams | None = None,
+    stop_at_eos: bool = True,
+    progress: Progress | Any | None = None,
+) -> dict:
+    """Grow every grower's tree to completion on `engine`; return counts and the engine's counter deltas.
+
+    A grower's new asks go to the engine as soon as the grower has them (after each result), so prompts advance
+    independently. A finished tree's cache keys are released at once. `progress` is called with each finished
+    grower, or, if it has an `update` method (a tqdm bar), updated by 1.
+    """
+    tracker = TreeTracker(params, stop_at_eos)
+    before = engine.stats()
+    start = time.perf_counter()
+    left = 0
+
+    def finished(g: Grower) -> None:
+        engine.release(tracker.release(g))
+        if progress is None:
+            return
+        if hasattr(progress, "update"):
+            progress.update(1)
+        else:
+            progress(g)
+
+    for g in growers:
+        if g.done():
+            finished(g)
+            continue
+        left += 1
+        engine.add_requests(tracker.to_requests(g))
+    while left:
+        if not engine.has_unfinished():
+            raise RuntimeError(f"{left} trees are not done but none of their growers asks for anything")
+        for result in engine.step():
+            g, _ = tracker.deliver(result)
+            requests = tracker.to_requests(g)
+            if requests:
+                engine.add_requests(requests)
+            if g.done():
+                left -= 1
+                finished(g)
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    gauges = {"cache_entries", "cache_tokens", "running", "pending", "weights_version"}
+    out = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float)) and k not in gauges}
+    out.update(
+        trees=len(growers),
+        trajectories=sum(len(g.tree.trajectories) for g in growers),
+        generated_tokens=sum(sum(len(t) for t in g.tree.tokens) for g in growers),
+        unique_tree_tokens=sum(g.tree.unique_tokens() for g in growers),
+        wall_s=wall,
+    )
+    return out
