@@ -156,8 +156,9 @@ class _Decoder:
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(self.embed.dtype)
 
     def new_buffer(self, rows: int, length: int) -> torch.Tensor:
+        # Zeros, not empty: masked positions are still multiplied (by a zero weight), and stale memory may hold NaN.
         shape = (len(self.layers), 2, rows, self.n_kv, length, self.head_dim)
-        return torch.empty(shape, dtype=self.embed.dtype, device=self.embed.device)
+        return torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)
 
     def forward(
         self,
@@ -506,6 +507,12 @@ class HFEngine:
                 f"{where}: {r.n} children of up to {need} positions cannot fit max_batch_size={self.max_batch_size}"
                 f" / max_batch_tokens={self.max_batch_tokens}"
             )
+        entry = self._entries.get(r.parent_key) if r.parent_key is not None else None
+        tomb = self._tombs.get(r.parent_key) if r.parent_key is not None else None
+        if (entry is not None and (entry.end != need - r.max_new_tokens - 1
+                                   or tuple(r.prefix_ids[entry.start : entry.end]) != entry.tokens)) or (
+                tomb is not None and tomb.end != need - r.max_new_tokens - 1):
+            raise ValueError(f"{where}: prefix_ids do not end at cached node {r.parent_key!r}")
         if need > self.max_cache_tokens:
             raise ValueError(f"{where}: a path of {need} positions cannot fit max_cache_tokens={self.max_cache_tokens}")
 
@@ -515,9 +522,7 @@ class HFEngine:
         base, new_base, cached = None, None, 0
         key = r.parent_key
         entry = self._entries.get(key) if key is not None else None
-        if entry is not None:
-            if entry.end != P - 1 or tuple(r.prefix_ids[entry.start : entry.end]) != entry.tokens:
-                raise ValueError(f"request {r.request_id!r}: prefix_ids do not end at cached node {key!r}")
+        if entry is not None:  # _check made sure the prefix ends at this entry
             base, cached = key, P - 1
         elif key is not None and key in self._tombs:
             # Evicted: find the deepest ancestor still cached and recompute the rest as a revived entry.

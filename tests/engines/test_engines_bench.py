@@ -1,0 +1,41 @@
+"""`treepo-ray bench` end to end, on a very small model it builds itself."""
+
+from __future__ import annotations
+
+import json
+
+from treepo_ray.engines.bench import main
+
+TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--prompts", "2", "--width", "4",
+        "--repeats", "1", "--no-progress"]
+MODE_KEYS = {"trajectories", "generated_tokens", "forward_tokens", "unique_tree_tokens", "wall_s", "traj_per_s",
+             "tok_per_s", "time_s"}
+
+
+def test_bench_writes_both_modes_and_their_ratios(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(TINY + ["--depth", "2", "--segment-len", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["engines"]["hf"]
+    seq, tree = report["sequential"], report["tree"]
+    assert MODE_KEYS <= set(seq) and MODE_KEYS <= set(tree)
+    assert seq["trajectories"] == tree["trajectories"] == 8
+    assert seq["generated_tokens"] == 2 * 4 * 8  # every path uses its whole budget (EOS ignored)
+    # Tree with w=4, binary divergence, depth 2: 2 + 4 segments of 4 tokens per prompt.
+    assert tree["generated_tokens"] == 2 * 6 * 4
+    assert tree["forward_tokens"] <= tree["unique_tree_tokens"]
+    ratios = report["ratios"]
+    assert ratios["token_bound"] == seq["forward_tokens"] / tree["forward_tokens"]
+    assert abs(ratios["speedup_over_bound"] - ratios["speedup"] / ratios["token_bound"]) < 1e-9
+    assert set(tree["time_s"]) >= {"prefill", "decode", "sample", "branch", "driver"}
+    assert "token_bound" in capsys.readouterr().out
+
+
+def test_bench_sweep_saves_plots(tmp_path):
+    out = tmp_path / "sweep.json"
+    assert main(TINY + ["--sweep", "--budget", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["engines"]["hf"]
+    assert [(r["depth"], r["segment_len"]) for r in report["results"]] == [(2, 4), (4, 2), (8, 1)]
+    assert len(report["plots"]) == 2
+    for path in report["plots"]:
+        assert (tmp_path / path.split("/")[-1]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["best"]["speedup"] == max(r["ratios"]["speedup"] for r in report["results"])

@@ -1,0 +1,119 @@
+"""The tree driver: real growers on the real HF engine and tiny model."""
+
+from __future__ import annotations
+
+import pytest
+from hf_testlib import build, hf_logprobs, hf_model
+
+from treepo_ray.engines.base import SamplingParams, SegmentResult
+from treepo_ray.engines.driver import TreeTracker, grow
+from treepo_ray.engines.hf import HFEngine
+from treepo_ray.tree import (
+    SequentialConfig,
+    SequentialGrower,
+    Tree,
+    TreePOConfig,
+    TreePOGrower,
+    TreeRPOConfig,
+    TreeRPOGrower,
+)
+
+PROMPTS = [[5, 9, 33, 70, 100, 41, 7], list(range(40, 52)), [3, 4]]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(40 + t % 80) for t in ids)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build(str(tmp_path_factory.getbasetemp()), "small")
+
+
+def treepo(i: int, prompt: list[int], **kw) -> TreePOGrower:
+    cfg = TreePOConfig(width=8, max_depth=4, segment_len=5, repetition_substr_len=0, **kw)
+    return TreePOGrower(Tree(list(prompt), query_id=f"q{i}"), cfg, eos_token_id=-1, decode=decode, seed=i)
+
+
+def expected_forward_tokens(growers) -> int:
+    """What a perfect prefix cache runs: each prompt once, then per ask the parent's last (unfed) token, and per
+    child every sampled token but its last. That is the unique tokens, minus the last token of every node that no
+    ask continued, plus one per extra ask of an already continued node."""
+    total = 0
+    for g in growers:
+        tree = g.tree
+        total += tree.unique_tokens() + (g.stats()["asks"] - 1) - (len(tree) - 1)
+    return total
+
+
+def test_treepo_trees_cost_exactly_their_unique_tokens(model_dir):
+    engine = HFEngine(model_dir, num_threads=1)
+    growers = [treepo(i, p) for i, p in enumerate(PROMPTS)]
+    done = []
+    out = grow(growers, engine, SamplingParams(temperature=1.0), stop_at_eos=False, progress=done.append)
+    assert done and set(map(id, done)) == set(map(id, growers))
+    assert all(g.done() and len(g.tree.trajectories) == 8 for g in growers)
+    assert out["trajectories"] == 24 and out["trees"] == 3
+    unique = sum(g.tree.unique_tokens() for g in growers)
+    assert out["unique_tree_tokens"] == unique
+    assert out["forward_tokens"] == expected_forward_tokens(growers) <= unique
+    assert out["recomputed_tokens"] == 0 and out["cache_hits"] == out["requests"] - len(PROMPTS)
+    # Every finished tree's keys were released.
+    assert engine.stats()["cache_entries"] == 0 and engine.stats()["running"] == 0
+    # Token log-probs along a whole trajectory are the HF model's own.
+    hf = hf_model(model_dir)
+    tree = growers[1].tree
+    node = tree.trajectories[-1]
+    ids = tree.prefix_ids(node)
+    ref = hf_logprobs(hf, ids)
+    P = len(tree.prompt_ids)
+    expect = [ref[P - 1 + i, t].item() for i, t in enumerate(tree.response_ids(node))]
+    assert tree.response_logprobs(node) == pytest.approx(expect, abs=1e-4)
+
+
+def test_growth_is_reproducible_and_sequential_and_treerpo_work_too(model_dir):
+    engine = HFEngine(model_dir, num_threads=1)
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for _ in range(2):
+        growers = [treepo(i, p) for i, p in enumerate(PROMPTS)]
+        grow(growers, engine, params, stop_at_eos=False)
+        runs.append([g.tree.to_dict() for g in growers])
+    assert runs[0] == runs[1]
+    seq = [SequentialGrower(Tree(p, query_id=f"s{i}"), SequentialConfig(group_size=4, segment_len=3, max_depth=3,
+                            repetition_substr_len=0), eos_token_id=-1, decode=decode, seed=i)
+           for i, p in enumerate(PROMPTS)]
+    rpo = [TreeRPOGrower(Tree(p, query_id=f"r{i}"), TreeRPOConfig(n_children=2, max_depth=3, step_len=3),
+                         eos_token_id=-1, decode=decode, seed=i) for i, p in enumerate(PROMPTS)]
+    out = grow(seq + rpo, engine, params, stop_at_eos=False)
+    assert [len(g.tree.trajectories) for g in seq] == [4] * 3 and [len(g.tree.trajectories) for g in rpo] == [8] * 3
+    assert out["forward_tokens"] == expected_forward_tokens(seq + rpo)
+    assert all(len(g.tree.response_ids(n)) == 9 for g in seq + rpo for n in g.tree.trajectories)
+    assert engine.stats()["cache_entries"] == 0
+
+
+def test_tracker_maps_asks_to_requests_and_results_back(model_dir):
+    engine = HFEngine(model_dir, num_threads=1)
+    tracker = TreeTracker(SamplingParams(temperature=0.7, top_p=0.9))
+    a, b = treepo(0, PROMPTS[0]), treepo(1, PROMPTS[0])  # same prompt, same query-relative ask ids
+    ra, rb = tracker.to_requests(a), tracker.to_requests(b)
+    assert tracker.to_requests(a) == []  # each ask is sent once
+    assert ra[0].request_id != rb[0].request_id and ra[0].prefix_ids == PROMPTS[0] and ra[0].parent_key is None
+    assert ra[0].params.temperature == 0.7 and ra[0].params.seed is not None and ra[0].n == 2
+    with pytest.raises(ValueError, match="open requests"):
+        tracker.release(a)
+    engine.add_requests(ra + rb)
+    results = []
+    while engine.has_unfinished():
+        results += engine.step()
+    first = next(r for r in results if r.request_id == ra[0].request_id)
+    grower, nodes = tracker.deliver(first)
+    assert grower is a and nodes == [1, 2]
+    assert [a.tree.tokens[n] for n in nodes] == [c.token_ids for c in first.children]
+    # Follow-up asks continue nodes 1 and 2 from the cache keys the engine returned for them.
+    key_of = {tuple(a.tree.prefix_ids(n)): c.cache_key for n, c in zip(nodes, first.children)}
+    follow = tracker.to_requests(a)
+    assert len(follow) == 2 and all(key_of[tuple(r.prefix_ids)] == r.parent_key for r in follow)
+    with pytest.raises(ValueError, match="unknown request"):
+        tracker.deliver(SegmentResult("nope", []))
+    assert a.tree.meta["weights_version"] == 0

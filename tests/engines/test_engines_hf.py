@@ -1,0 +1,226 @@
+"""HFEngine against the Hugging Face model it runs, on a real tiny Qwen2 built offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_testlib import build, hf_logprobs, hf_model
+
+from treepo_ray.engines import make_engine
+from treepo_ray.engines.base import SamplingParams, SegmentRequest, generate
+from treepo_ray.engines.hf import HFEngine, sample, uniforms
+
+PROMPT = [5, 9, 33, 70, 100, 41, 7, 12, 80, 64]
+SAMPLED = SamplingParams(temperature=1.0, seed=11)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build(str(tmp_path_factory.getbasetemp()), "small")
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir):
+    return hf_model(model_dir)
+
+
+@pytest.fixture
+def engine(model_dir):
+    return HFEngine(model_dir, num_threads=1)
+
+
+def req(rid, prefix, m, n=1, params=SAMPLED, key=None, **kw) -> SegmentRequest:
+    return SegmentRequest(rid, list(prefix), m, n=n, params=params, parent_key=key, **kw)
+
+
+def assert_logprobs_match(hf, prefix: list[int], tokens: list[int], logprobs: list[float]) -> None:
+    ref = hf_logprobs(hf, prefix + tokens)
+    expect = [ref[len(prefix) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    assert logprobs == pytest.approx(expect, abs=1e-4)
+
+
+def test_cached_continuation_matches_hf_forward_over_the_full_sequence(engine, hf):
+    (a,) = generate(engine, [req("a", PROMPT, 6, n=3)])
+    assert len(a.children) == 3 and all(len(c.token_ids) == 6 and c.cache_key for c in a.children)
+    assert len({tuple(c.token_ids) for c in a.children}) == 3  # three different samples of one prefix
+    for c in a.children:
+        assert_logprobs_match(hf, PROMPT, c.token_ids, c.logprobs)
+    # Two levels deeper, continuing from the returned keys (children of a child of a child).
+    c0 = a.children[1]
+    (b,) = generate(engine, [req("b", PROMPT + c0.token_ids, 5, n=2, key=c0.cache_key)])
+    b0 = b.children[0]
+    (c,) = generate(engine, [req("c", PROMPT + c0.token_ids + b0.token_ids, 4, key=b0.cache_key)])
+    for seg, prefix in ((b.children[0], PROMPT + c0.token_ids), (b.children[1], PROMPT + c0.token_ids),
+                        (c.children[0], PROMPT + c0.token_ids + b0.token_ids)):
+        assert_logprobs_match(hf, prefix, seg.token_ids, seg.logprobs)
+    s = engine.stats()
+    assert s["cache_hits"] == 2 and s["recomputed_tokens"] == 0
+    # Hand count: prompt once + 5 fed tokens per child of a; 1 (the parent's last token) + 4 per child of b; 1 + 3.
+    assert s["forward_tokens"] == (10 + 3 * 5) + (1 + 2 * 4) + (1 + 3)
+    assert s["prefill_tokens"] == 10 + 1 + 1
+    assert s["cached_tokens"] == (10 + 6 - 1) + (10 + 6 + 5 - 1)
+
+
+def test_greedy_equals_hf_generate_also_across_segments(engine, hf):
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    ref = ref[0, len(PROMPT):].tolist()
+    assert len(set(ref)) > 3  # the model does not just repeat a token
+    (whole,) = generate(engine, [req("w", PROMPT, 24, params=GREEDY, stop_at_eos=False)])
+    assert whole.children[0].token_ids == ref
+    # The same 24 tokens as three cached segments of 8.
+    got, key = [], None
+    for i in range(3):
+        (r,) = generate(engine, [req(f"s{i}", PROMPT + got, 8, params=GREEDY, key=key, stop_at_eos=False)])
+        got += r.children[0].token_ids
+        key = r.children[0].cache_key
+    assert got == ref
+
+
+def test_prompts_of_different_lengths_prefill_together(engine, hf):
+    prompts = [PROMPT, PROMPT[:3], list(range(30, 60)), [42]]
+    results = generate(engine, [req(f"p{i}", p, 5, n=2) for i, p in enumerate(prompts)])
+    for p, r in zip(prompts, results):
+        for c in r.children:
+            assert_logprobs_match(hf, p, c.token_ids, c.logprobs)
+    assert engine.stats()["forward_tokens"] == sum(len(p) + 2 * 4 for p in prompts)
+
+
+def test_seeds_make_children_independent_of_the_batch(model_dir):
+    alone = HFEngine(model_dir, num_threads=1)
+    (r,) = generate(alone, [req("x", PROMPT, 8, n=3, params=SamplingParams(temperature=1.0, seed=5))])
+    busy = HFEngine(model_dir, num_threads=1)
+    others = [req(f"o{i}", list(range(i, i + 7)), 12, n=2, params=SamplingParams(temperature=0.8, seed=i))
+              for i in range(3)]
+    mixed = generate(busy, others[:2] + [req("x", PROMPT, 8, n=3, params=SamplingParams(temperature=1.0, seed=5))]
+                     + others[2:])
+    assert [c.token_ids for c in mixed[2].children] == [c.token_ids for c in r.children]
+    # Child j of seed s is what a single child of seed s + j draws.
+    (single,) = generate(alone, [req("y", PROMPT, 8, params=SamplingParams(temperature=1.0, seed=7))])
+    assert single.children[0].token_ids == r.children[2].token_ids
+    (other,) = generate(alone, [req("z", PROMPT, 8, params=SamplingParams(temperature=1.0, seed=6))])
+    assert other.children[0].token_ids != r.children[0].token_ids
+
+
+def test_sample_inverse_cdf_with_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 6))
+    temp = torch.ones(6)
+    u = torch.tensor([0.1, 0.6, 0.9, 0.7, 0.9, 0.99])
+    tokens, lps = sample(logits, temp, torch.zeros(6, dtype=torch.long), torch.ones(6), u)
+    assert tokens.tolist() == [0, 1, 2, 1, 2, 2]  # cdf 0.5, 0.8, 1.0
+    assert lps.tolist() == pytest.approx(torch.log(torch.tensor([0.5, 0.3, 0.2, 0.3, 0.2, 0.2])).tolist())
+    # top-k 2: [0.625, 0.375]; top-p 0.6 keeps tokens whose preceding mass is < 0.6: the same two.
+    for k, p in ((2, 1.0), (0, 0.6)):
+        tokens, _ = sample(logits, temp, torch.full((6,), k), torch.full((6,), p), u)
+        assert tokens.tolist() == [0, 0, 1, 1, 1, 1]
+    # top-p 0.5: only the first token (the mass before the second one is 0.5, not < 0.5); temperature 0: argmax.
+    tokens, _ = sample(logits, temp, torch.zeros(6, dtype=torch.long), torch.full((6,), 0.5), u)
+    assert tokens.tolist() == [0] * 6
+    tokens, lps = sample(logits, torch.zeros(6), torch.zeros(6, dtype=torch.long), torch.ones(6), u)
+    assert tokens.tolist() == [0] * 6 and lps.tolist() == pytest.approx([torch.log(torch.tensor(0.5)).item()] * 6)
+
+
+def test_uniforms_are_a_function_of_seed_and_counter():
+    a = uniforms([1, 2, 1], [0, 0, 1])
+    assert a.tolist() == uniforms([1, 2, 1], [0, 0, 1]).tolist()
+    assert len(set(a.tolist())) == 3 and all(0 <= x < 1 for x in a)
+    u = uniforms(list(range(20000)), [0] * 20000)
+    assert abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).mean() - 0.1) < 0.01
+
+
+def test_release_frees_every_entry(engine):
+    (a,) = generate(engine, [req("a", PROMPT, 4, n=2)])
+    (b,) = generate(engine, [req("b", PROMPT + a.children[0].token_ids, 4, key=a.children[0].cache_key)])
+    s = engine.stats()
+    # The prompt (an internal entry), a's two children and b's child: 9 + 4 + 4 + 4 positions.
+    assert s["cache_entries"] == 4 and s["cache_tokens"] == 9 + 4 + 4 + 4
+    engine.release([a.children[0].cache_key, a.children[1].cache_key])
+    assert engine.stats()["cache_entries"] == 3  # a's first child is still the parent of b's child
+    engine.release([b.children[0].cache_key, "unknown-key"])
+    assert engine.stats()["cache_entries"] == 0 and engine.stats()["cache_tokens"] == 0
+
+
+def test_cache_cap_evicts_lru_and_recomputes_evicted_prefixes(model_dir, hf):
+    engine = HFEngine(model_dir, num_threads=1, max_cache_tokens=40)
+    (a,) = generate(engine, [req("a", PROMPT, 8, n=2)])  # prompt entry 9 + 8 + 8 = 25 positions
+    a0, a1 = a.children
+    (b,) = generate(engine, [req("b", PROMPT + a0.token_ids, 8, key=a0.cache_key)])  # + 8
+    (c,) = generate(engine, [req("c", list(range(100, 110)), 8)])  # + 9 + 8: over the cap, evict LRU leaves
+    s = engine.stats()
+    assert s["evictions"] >= 1 and s["cache_tokens"] <= 40
+    # a1 was the least recently used leaf: asking for its children recomputes prompt and segment as needed.
+    (d,) = generate(engine, [req("d", PROMPT + a1.token_ids, 5, key=a1.cache_key)])
+    assert engine.stats()["recomputed_tokens"] > 0
+    assert_logprobs_match(hf, PROMPT + a1.token_ids, d.children[0].token_ids, d.children[0].logprobs)
+    (e,) = generate(engine, [req("e", PROMPT + a0.token_ids + b.children[0].token_ids, 5,
+                                 key=b.children[0].cache_key)])
+    assert_logprobs_match(hf, PROMPT + a0.token_ids + b.children[0].token_ids, e.children[0].token_ids,
+                          e.children[0].logprobs)
+    with pytest.raises(ValueError, match="max_cache_tokens"):
+        engine.add_requests([req("big", PROMPT, 35)])
+
+
+def test_bad_requests_get_clear_errors(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_requests([req("a", [], 4)])
+    with pytest.raises(ValueError, match="outside the embedding"):
+        engine.add_requests([req("a", [1, 10_000], 4)])
+    with pytest.raises(ValueError, match="256"):
+        engine.add_requests([req("a", PROMPT, 300)])
+    with pytest.raises(ValueError, match="max_batch_size"):
+        HFEngine(engine.model, max_batch_size=2).add_requests([req("a", PROMPT, 4, n=3)])
+    (a,) = generate(engine, [req("a", PROMPT, 4)])
+    with pytest.raises(ValueError, match="do not end at cached node"):
+        engine.add_requests([req("b", PROMPT + [1, 2, 3, 4], 4, key=a.children[0].cache_key)])
+    assert not engine.has_unfinished()
+
+
+def test_eos_ends_a_child_and_is_kept(model_dir, hf):
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    ref = ref[0, len(PROMPT):].tolist()
+    stop = ref[4]  # pretend the 5th greedy token is EOS
+    engine = HFEngine(model_dir, num_threads=1, eos_token_id=stop)
+    (r,) = generate(engine, [req("a", PROMPT, 10, params=GREEDY)])
+    seg = r.children[0]
+    assert seg.finish_reason == "eos" and seg.token_ids == ref[: ref.index(stop) + 1]
+    (r,) = generate(engine, [req("b", PROMPT, 10, params=GREEDY, stop_at_eos=False)])
+    assert r.children[0].finish_reason == "length" and r.children[0].token_ids == ref
+
+
+def test_padded_embedding_rows_are_never_sampled(tmp_path_factory):
+    path = build(str(tmp_path_factory.getbasetemp()), "padded")
+    model = hf_model(path)
+    assert model.config.vocab_size == 300
+    assert hf_logprobs(model, PROMPT)[-1].argmax().item() >= 258  # unclipped, a padding id would win
+    engine = make_engine("hf", path, num_threads=1)  # the tokenizer beside the model has 258 tokens
+    assert engine.vocab_size == 258
+    results = generate(engine, [req("g", PROMPT, 6, params=GREEDY), req("s", PROMPT, 6, n=4)])
+    assert all(t < 258 for r in results for c in r.children for t in c.token_ids)
+
+
+def test_load_weights_swaps_in_place_clears_caches_and_reports_the_version(model_dir, tmp_path):
+    engine = HFEngine(model_dir, num_threads=1)
+    (a,) = generate(engine, [req("a", PROMPT, 6, params=GREEDY)])
+    new = hf_model(model_dir)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            if "mlp" in name:
+                p.mul_(-1.5)
+    engine.load_weights(new.state_dict(), version=3)
+    assert engine.stats()["cache_entries"] == 0
+    (b,) = generate(engine, [req("b", PROMPT + a.children[0].token_ids, 6, key=a.children[0].cache_key)])
+    assert b.weights_version == 3
+    assert engine.stats()["recomputed_tokens"] == len(PROMPT) + 6 - 1  # the old key is unknown now
+    assert_logprobs_match(new, PROMPT + a.children[0].token_ids, b.children[0].token_ids, b.children[0].logprobs)
+    with pytest.raises(ValueError, match="missing keys"):
+        engine.load_weights({k: v for k, v in new.state_dict().items() if "layers.0.mlp" not in k}, version=4)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=32))
+    with pytest.raises(ValueError, match="model_type"):
+        HFEngine(model)
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("nope", tmp_path)
