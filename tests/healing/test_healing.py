@@ -90,7 +90,7 @@ def test_heal_grafts_scores_and_repropagates():
     assert res.grafted == [3, 4, 5, 6] and t.trajectories == [1, 2, 3, 4, 5, 6]
     assert [t.parent[n] for n in res.grafted] == [0, 0, 0, 0]
     assert len(t.tokens[6]) == 20  # truncated to the step length
-    assert [t.reward[n] for n in res.grafted] == [1.0, 0.0, 1.0, 0.0]
+    assert [t.reward[n] for n in res.grafted] == res.rewards == [1.0, 0.0, 1.0, 0.0]
     assert t.reward[0] == pytest.approx(2 / 6)  # re-propagated over all six children
     # grafted log-probs are those given the ORIGINAL prefix, not the critique prompt
     assert all(prefix == t.prompt_ids for prefix, _ in calls) and t.logprobs[3] == [-0.25] * len(t.tokens[3])
@@ -106,8 +106,14 @@ def test_nothing_happens_without_a_failure_node():
     tok = build_tokenizer()
     t = tree_with_rewards([0, 0], [1, 0])
     gen = ScriptedGenerator(tok, "c", ["r"])
-    res = CritiqueHealer(tok, gen, lambda p, i: [0.0] * len(i), lambda tr, n: 1.0).heal(t)
+    res = CritiqueHealer(tok, gen, lambda p, i: [0.0] * len(i), lambda tr, n: 1.0, HealingConfig(step_len=8)).heal(t)
     assert res.failure_node is None and res.grafted == [] and gen.requests == []
+
+
+def test_healer_needs_the_step_length():
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match="step_len"):
+        CritiqueHealer(tok, ScriptedGenerator(tok, "c", ["r"]), lambda p, i: [], lambda tr, n: 0.0, HealingConfig())
 
 
 def test_prompt_file_must_hold_both_templates(tmp_path):
@@ -128,7 +134,7 @@ def test_tree_informativeness_rises_when_healing_adds_a_correct_branch():
     gen = ScriptedGenerator(tok, "c", ["good", "bad"])
     healer = CritiqueHealer(tok, gen, lambda pre, ids: [-0.1] * len(ids),
                             lambda tr, n: 1.0 if tok.decode(tr.tokens[n]) == "good" else 0.0,
-                            HealingConfig(num_refinements=2))
+                            HealingConfig(num_refinements=2, step_len=8))
     healer.heal(t)
     F2, p2 = tree_informativeness(t)
     assert p2 == pytest.approx(1 / 6) and F2 > 0

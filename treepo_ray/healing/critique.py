@@ -41,8 +41,9 @@ class HealingConfig:
     """Length cap of the critique."""
     refine_temperature: float = 0.6
     """Sampling temperature of the corrected continuations."""
-    step_len: int = 384
-    """L_step: each grafted continuation is truncated to this many tokens."""
+    step_len: int = 0
+    """L_step: each grafted continuation is truncated to this many tokens. 0 = the tree's step length, which
+    the runtime fills in (rollout.treerpo.step_len); a CritiqueHealer needs it >= 1."""
     prompts_path: str = ""
     """YAML file with the `critique` and `refine` templates; empty = the packaged prompts.yaml."""
 
@@ -60,6 +61,8 @@ class HealResult:
     """Tokens of the critique and refinement prompts (prefill cost)."""
     generated_tokens: int = 0
     """Tokens sampled for the critique and the continuations (before truncation)."""
+    rewards: list[float] = field(default_factory=list)
+    """Verifier reward of each grafted trajectory, in the order of `grafted`."""
 
 
 def find_failure_node(tree: Tree, epsilon: float = 0.05) -> int | None:
@@ -108,6 +111,10 @@ class CritiqueHealer:
         self.tokenizer, self.generate, self.logprob_fn, self.score_fn, self.cfg = (
             tokenizer, generate, logprob_fn, score_fn, cfg,
         )
+        if cfg.step_len < 1:
+            raise ValueError(f"HealingConfig.step_len = {cfg.step_len}; set it to the tree's step length (>= 1)")
+        if cfg.num_refinements < 1:
+            raise ValueError(f"HealingConfig.num_refinements = {cfg.num_refinements}; it must be >= 1")
         self.prompts = load_prompts(cfg.prompts_path)
 
     def _sample(self, text: str, n: int, temperature: float, max_tokens: int, seed: int, tag: str) -> SegmentResult:
@@ -147,6 +154,7 @@ class CritiqueHealer:
             out.grafted.append(grafted)
         for grafted in out.grafted:
             tree.reward[grafted] = float(self.score_fn(tree, grafted))
+            out.rewards.append(tree.reward[grafted])
         tree.meta.setdefault("grafted", []).extend(out.grafted)
         tree.propagate_rewards()
         return out
