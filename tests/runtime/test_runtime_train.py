@@ -9,10 +9,9 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from treepo_ray import config as config_io
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.learner import list_checkpoints
-from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig
+from treepo_ray.runtime.config import DEFAULT_CONFIG, load_config
 from treepo_ray.runtime.pipeline import Pipeline, PromptStream
 from treepo_ray.runtime.train import load_task, main as train_main
 from treepo_ray.runtime.viz import main as viz_main
@@ -44,7 +43,7 @@ def small(tiny, *extra):
 
 def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local, tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
-    cfg = config_io.load(TrainConfig, DEFAULT_CONFIG, small(tiny, "runtime.max_staleness=1"))
+    cfg = load_config(DEFAULT_CONFIG, small(tiny, "runtime.max_staleness=1"))
     records, _ = load_task(cfg, tokenizer)
     pipe = Pipeline(cfg, tiny, tokenizer)
     rows = []
@@ -65,7 +64,7 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         pipe.shutdown()
 
     # DAPO: sequential sampling, synchronous, over-sample 2x and refill until the batch holds mixed groups only.
-    cfg = config_io.load(TrainConfig, DEFAULT_CONFIG, small(
+    cfg = load_config(DEFAULT_CONFIG, small(
         tiny, "algo.name=dapo", "algo.dynamic_sampling=true", "algo.oversample=2", "algo.max_extra_rounds=1",
         "runtime.max_staleness=0"))
     pipe = Pipeline(cfg, tiny, tokenizer)

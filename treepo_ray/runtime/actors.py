@@ -201,8 +201,9 @@ class TreeScheduler:
         pending: set[asyncio.Future] = set()
         try:
             while True:
-                for req in self.tracker.to_requests(grower):  # every ready ask goes out at once
-                    pending.add(asyncio.ensure_future(self.pool.generate(qid, [req])))
+                requests = self.tracker.to_requests(grower)
+                if requests:  # every ask the tree has ready goes out now, in one call
+                    pending.add(asyncio.ensure_future(self.pool.generate(qid, requests)))
                 if not pending:
                     break
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

@@ -7,9 +7,14 @@ itself decides (resources, staleness, steps, checkpoints). YAML files under jobs
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+from treepo_ray import config as config_io
 from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.runtime.batch import AlgoConfig
@@ -179,3 +184,35 @@ class TrainConfig:
     @property
     def sampler_config(self):
         return self.rollout.sampler_config(self.algo.sampler)
+
+
+def _dotted(cls: type, data: dict, prefix: str = "") -> list[str]:
+    """A YAML mapping as `a.b=value` overrides: sections (dataclass fields) are walked into, every other value
+    (free-form mappings such as model.engine_kwargs included) is set whole."""
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    out = []
+    for key, value in data.items():
+        sub = hints.get(key)
+        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
+            out += _dotted(sub, value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()}")
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors name the file and key.
+
+    The file goes through the same dotted-override path as the command line, so a free-form mapping
+    (engine_kwargs, *_resources) is replaced whole rather than merged key by key into its empty default."""
+    file_args: list[str] = []
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+        file_args = _dotted(TrainConfig, data)
+        try:
+            config_io.load(TrainConfig, None, file_args)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+    return config_io.load(TrainConfig, None, file_args + list(overrides or []))

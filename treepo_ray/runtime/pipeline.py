@@ -223,12 +223,13 @@ class Pipeline:
     # ------------------------------------------------------------------------------------------ the loop
 
     def train(self, start_step: int, end_step: int, stream: PromptStream, on_step, trees_per_step: int = 0,
-              eval_every: int = 0) -> int:
+              eval_every: int = 0, max_staleness: int | None = None) -> int:
         """Train steps [start_step, end_step); `on_step(batch, metrics) -> bool` logs and checkpoints after each
         step and returns False to stop early. With `eval_every`, the producer evaluates `self.eval_set` on the
         weights it has just loaded every that many steps (between two batches, so the engines are idle).
-        Returns the number of steps completed (the learner's new version)."""
-        s = self.cfg.runtime.max_staleness
+        `max_staleness` overrides runtime.max_staleness for this call. Returns the number of steps completed
+        (the learner's new version)."""
+        s = self.cfg.runtime.max_staleness if max_staleness is None else max_staleness
         # Back-pressure and the staleness bound in one place: the producer takes a slot before growing a batch and
         # the consumer returns it after training on one and publishing the new weights. With s + 1 slots, batch k
         # starts only after batch k - s - 1 has been trained, i.e. when weights of version >= k - s exist.

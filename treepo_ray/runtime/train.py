@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from treepo_ray import config as config_io
-from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig
+from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig, load_config
 
 
 def init_ray(cfg: TrainConfig) -> None:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"treepo-ray train: config file {path} does not exist", file=sys.stderr)
         return 2
     try:
-        cfg = config_io.load(TrainConfig, path, argv)
+        cfg = load_config(path, argv)
     except ValueError as err:
         print(f"treepo-ray train: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,96 @@
+"""CATPO phase 3 on Ray: the healer actor, a thin shell over healing.critique.CritiqueHealer.
+
+    TreeScheduler ──verified tree──▶ score_and_heal: F(T), regime ──dead-wrong──▶ HealerActor.heal
+                                                                                  │ critique + k continuations
+                                                                                  ▼   on the GeneratorPool
+                                        healed tree, F(T) again ◀── grafted, verified, rewards re-propagated
+
+The scheduler awaits the healer without blocking its event loop, so a tree's healing overlaps the growth of the
+other trees of the batch. The healer's generation is ordinary segment requests on the engines, and the log-probs
+of the grafted tokens come from one teacher-forced forward on the same engine (EngineActor.score), given the
+original prefix (see healing/critique.py for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import ray
+
+from treepo_ray.healing.critique import CritiqueHealer, HealingConfig
+from treepo_ray.runtime.catpo import CatpoConfig, needs_healing, record_heal, score_tree
+from treepo_ray.tree.tree import Tree
+
+
+@ray.remote
+class HealerActor:
+    """Heals dead-wrong trees; `heal` calls run concurrently in threads, each mostly waiting on an engine."""
+
+    def __init__(self, pool, verifiers, model_path: str, cfg: HealingConfig):
+        from transformers import AutoTokenizer
+
+        self.pool, self.verifiers, self.cfg = pool, verifiers, cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._lock = threading.Lock()  # the pool copy's routing table is shared by the threads
+
+    def _engine(self, key: str):
+        with self._lock:
+            return self.pool.engines[self.pool.engine_of(key)]
+
+    def heal(self, tree: Tree, seed: int):
+        """(healed tree, HealResult). The caller keeps its own copy of the tree, so a failure leaves it intact."""
+        key = f"{tree.query_id}/heal"  # its own route: critique prompts share no cache with the tree
+        cache_keys: list[str] = []
+
+        def generate(requests):
+            results = ray.get(self._engine(key).generate.remote(requests))
+            cache_keys.extend(c.cache_key for r in results for c in r.children if c.cache_key)
+            return results
+
+        def logprobs(prefix_ids, token_ids):
+            return ray.get(self._engine(key).score.remote(prefix_ids, token_ids))
+
+        def score(t: Tree, node: int) -> float:
+            solution = self.tokenizer.decode(t.response_ids(node), skip_special_tokens=True)
+            item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"])
+            return ray.get(self.verifiers.score([item]))[0]
+
+        healer = CritiqueHealer(self.tokenizer, generate, logprobs, score, self.cfg)
+        try:
+            result = healer.heal(tree, seed)
+        finally:
+            with self._lock:
+                self.pool.finish(key, cache_keys)  # nothing continues from the critique or the grafts
+        return tree, result
+
+
+def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int):
+    """The healer actor of a CATPO run; grafts are cut to the tree's step length unless healing sets its own."""
+    healing = cfg.healing if cfg.healing.step_len else dataclasses.replace(cfg.healing, step_len=step_len)
+    return HealerActor.options(num_cpus=0, max_concurrency=cfg.heal_concurrency).remote(
+        pool, verifiers, model_path, healing)
+
+
+async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tree:
+    """CATPO phases 2 and 3 for one verified tree: score it; if dead-wrong, heal it and score it again.
+
+    A healing request the engine refuses (bad input: a ValueError, e.g. a critique prompt longer than the model's
+    context) is recorded in tree.meta["catpo"]["heal"]["error"] and counted per step (catpo/heal_errors); the tree
+    is then trained as sampled. Any other failure stops the run.
+    """
+    score_tree(tree, cfg)
+    if healer is None or not cfg.heal or not needs_healing(tree):
+        return tree
+    try:
+        healed, result = await healer.heal.remote(tree, seed)
+    except ray.exceptions.RayTaskError as err:
+        if not isinstance(err.cause, ValueError):
+            raise
+        message = f"healing tree {tree.query_id!r} failed: {err.cause}"
+        print(f"CATPO: {message}; it is trained as sampled", flush=True)
+        record_heal(tree, None, error=message)
+        return tree
+    record_heal(healed, result)
+    score_tree(healed, cfg)
+    return healed
