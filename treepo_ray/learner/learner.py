@@ -294,6 +294,31 @@ class Learner:
                        time_s=time.perf_counter() - started)
         return metrics
 
+    def per_group_grad_norms(self, groups: list[list[TrainSample]]) -> list[float]:
+        """L2 norm of the gradient of each group's loss taken alone, at the current weights (CATPO's H1 check: a
+        group is one tree's samples, the result its per-tree gradient norm).
+
+        The loss is train_step's, normalised over the group's own tokens (token-mean) or sequences (seq-mean);
+        missing old log-probs are the current ones (ratio 1: the clipped surrogate's gradient is then the plain
+        policy gradient). No optimizer step; gradients are left cleared. Call on all ranks, each with its shard of
+        every group. Not supported under DeepSpeed (it owns the gradients)."""
+        if self.engine is not None:
+            raise ValueError("per_group_grad_norms is not supported with strategy='deepspeed'")
+        norms = []
+        self.optimizer.zero_grad(set_to_none=True)
+        for g, group in enumerate(groups):
+            group = list(group)
+            if not group and not self.distributed:
+                raise ValueError(f"groups[{g}] is empty; every group needs at least one sample")
+            self._validate(group)
+            missing = [i for i, s in enumerate(group) if s.old_logprobs is None]
+            for i, lp in zip(missing, self.compute_logprobs([group[i] for i in missing])):
+                group[i] = dataclasses.replace(group[i], old_logprobs=lp)
+            figures = self.backward(group)
+            norms.append(self._grad_norm_and_clip(clip=False) if figures else 0.0)
+            self.optimizer.zero_grad(set_to_none=True)
+        return norms
+
     def _optimizer_step(self, samples: list[TrainSample]) -> dict[str, float] | None:
         """Accumulate gradients over micro-batches (and ranks), then clip and step. None if no rank has samples."""
         figures = self.backward(samples)
@@ -364,8 +389,8 @@ class Learner:
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def _grad_norm_and_clip(self) -> float:
-        """Global L2 norm of the gradient (before clipping); clips in place when it is finite."""
+    def _grad_norm_and_clip(self, clip: bool = True) -> float:
+        """Global L2 norm of the gradient (before clipping); clips in place when it is finite (and `clip`)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return 0.0
@@ -373,7 +398,7 @@ class Learner:
         if isinstance(norm, DTensor):  # sharded grads: partial norms, combined across ranks
             norm = norm.full_tensor()
         value = float(norm)
-        if self.cfg.grad_clip > 0 and math.isfinite(value):
+        if clip and self.cfg.grad_clip > 0 and math.isfinite(value):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm)
         return value
 

@@ -20,6 +20,7 @@ import ray
 
 from treepo_ray.engines.base import SamplingParams, SegmentRequest, SegmentResult
 from treepo_ray.engines.driver import TreeTracker
+from treepo_ray.runtime.healing import score_and_heal
 from treepo_ray.tree import SequentialGrower, Tree, TreePOGrower, TreeRPOGrower
 
 GROWERS = {"sequential": SequentialGrower, "treepo": TreePOGrower, "treerpo": TreeRPOGrower}
@@ -46,8 +47,12 @@ class EngineActor:
 
     def __init__(self, engine: str, model_path: str, engine_kwargs: dict, torch_threads: int = 1):
         limit_threads(torch_threads)
+        import torch
+
         from treepo_ray.engines import make_engine
 
+        if engine == "hf" and "device" not in engine_kwargs and torch.cuda.is_available():
+            engine_kwargs = {**engine_kwargs, "device": "cuda"}  # an actor given a GPU (Ray set its visibility) uses it
         self.engine = make_engine(engine, model_path, **engine_kwargs)
         self._waiting: dict[str, asyncio.Future] = {}
         self._stepper: asyncio.Task | None = None
@@ -89,6 +94,13 @@ class EngineActor:
 
     async def release(self, keys: list[str]) -> None:
         self.engine.release(keys)
+
+    async def score(self, prefix_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Log-probs of `token_ids` after `prefix_ids` under the current weights, one teacher-forced forward run
+        between two decode steps (CATPO: the grafted branches' log-probs, given the tree's own prefix)."""
+        from treepo_ray.healing.logprobs import engine_logprobs
+
+        return engine_logprobs(self.engine, prefix_ids, token_ids)
 
     async def stats(self) -> dict:
         return {**self.engine.stats(), "version": self.version}
@@ -175,7 +187,7 @@ class TreeScheduler:
     """Grows and scores the trees of the prompts it is given (one grower per prompt, all concurrently)."""
 
     def __init__(self, pool: GeneratorPool, verifiers: VerifierPool, model_path: str, sampler: str,
-                 sampler_cfg, sampling: SamplingParams):
+                 sampler_cfg, sampling: SamplingParams, catpo=None, healer=None):
         from transformers import AutoTokenizer
 
         if sampler not in GROWERS:
@@ -184,6 +196,7 @@ class TreeScheduler:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.grower_cls, self.sampler_cfg = GROWERS[sampler], sampler_cfg
         self.tracker = TreeTracker(sampling)  # asks <-> engine requests, with each node's engine cache key
+        self.catpo, self.healer = catpo, healer  # CatpoConfig and HealerActor of a CATPO run, else None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -221,6 +234,8 @@ class TreeScheduler:
         triples = [(prompt.get("data_source", ""), s, prompt["ground_truth"]) for s in solutions]
         tree.set_trajectory_rewards(await self.verifiers.score(triples) if triples else [])
         tree.meta.update(ground_truth=prompt["ground_truth"], data_source=prompt.get("data_source", ""))
+        if self.catpo is not None:  # CATPO phases 2-3: score the tree, heal it if dead-wrong (runtime/healing.py)
+            tree = await score_and_heal(tree, self.catpo, self.healer, int(prompt["seed"]))
         return tree
 
 

@@ -8,18 +8,19 @@ with G chains), so one code path serves all of them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from treepo_ray.algo import dapo_keep_group, grpo_advantages, treepo_scores, treerpo_advantages, whiten
 from treepo_ray.learner.batch import TrainSample
+from treepo_ray.runtime.catpo import CatpoConfig
 from treepo_ray.tree.tree import FINISH_REASONS, Tree
 
-ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo")
+ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 # Which grower config an algorithm samples with.
 SAMPLER_OF = {"grpo": "sequential", "dapo": "sequential", "treepo": "treepo", "treepo_flat": "treepo",
-              "treerpo": "treerpo"}
+              "treerpo": "treerpo", "catpo": "treerpo"}
 
 
 @dataclass
@@ -27,7 +28,8 @@ class AlgoConfig:
     """Which algorithm runs, and its credit-assignment knobs (the loss lives in learner.loss)."""
 
     name: str = "treepo"
-    """grpo | dapo | treepo | treepo_flat (tree sampling, flat GRPO advantage) | treerpo."""
+    """grpo | dapo | treepo | treepo_flat (tree sampling, flat GRPO advantage) | treerpo | catpo (TreeRPO trees,
+    scored, healed and weighted: runtime/catpo.py)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop prompts whose trajectories all got the same reward, refill from new prompts."""
     oversample: float = 1.0
@@ -44,6 +46,8 @@ class AlgoConfig:
     """TreeRPO: a sibling group takes part only if its reward range reaches this (tau_prune)."""
     correct_threshold: float = 1.0
     """A trajectory counts as correct (accuracy metrics) when its reward is at least this."""
+    catpo: CatpoConfig = field(default_factory=CatpoConfig)
+    """CATPO: informativeness thresholds, healing, loss weights (used when name = catpo)."""
 
     def __post_init__(self) -> None:
         if self.name not in ALGORITHMS:
@@ -96,7 +100,7 @@ def build_samples(trees: list[Tree], cfg: AlgoConfig, tree_weights: list[float] 
             samples.append(_sample(trees[t], node, float(a), weights[t]))
         return samples
     for tree, w in zip(trees, weights):
-        if cfg.name == "treerpo":
+        if cfg.name in ("treerpo", "catpo"):  # CATPO's credit is TreeRPO's; its weights come in `tree_weights`
             samples.extend(_treerpo_samples(tree, cfg, w))
         else:  # grpo, dapo, treepo_flat: one flat group per prompt (Shao et al. 2024)
             adv = grpo_advantages(trajectory_rewards(tree), scale=cfg.grpo_scale)

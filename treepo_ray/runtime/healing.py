@@ -84,10 +84,11 @@ async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tre
         return tree
     try:
         healed, result = await healer.heal.remote(tree, seed)
-    except ray.exceptions.RayTaskError as err:
-        if not isinstance(err.cause, ValueError):
-            raise
-        message = f"healing tree {tree.query_id!r} failed: {err.cause}"
+    except ValueError as err:  # Ray re-raises a remote ValueError as a subclass of ValueError
+        cause = err
+        while getattr(cause, "cause", None) is not None:  # unwrap the actor (and engine) layers
+            cause = cause.cause
+        message = f"healing tree {tree.query_id!r} failed: {cause}"
         print(f"CATPO: {message}; it is trained as sampled", flush=True)
         record_heal(tree, None, error=message)
         return tree

@@ -23,6 +23,8 @@ import ray
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
 from treepo_ray.runtime.actors import EngineActor, GeneratorPool, LearnerGroup, TreeScheduler, VerifierActor, VerifierPool
 from treepo_ray.runtime.batch import build_samples, keep_tree, tree_metrics
+from treepo_ray.runtime.catpo import catpo_metrics, catpo_weights, sampled_tokens
+from treepo_ray.runtime.healing import make_healer
 from treepo_ray.runtime.config import TrainConfig
 from treepo_ray.tree import Tree
 
@@ -88,9 +90,15 @@ class Pipeline:
         self.verifiers = VerifierPool([VerifierActor.options(num_cpus=rt.verifier_cpus).remote(rt.verifier_timeout_s)
                                        for _ in range(rt.num_verifiers)])
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
+        # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
+        catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
+        self.healers = ([make_healer(self.pool, self.verifiers, model_path, catpo, cfg.sampler_config.step_len)]
+                        if catpo is not None and catpo.heal else [])
         # Schedulers mostly wait on engines and verifiers, so they reserve no CPU.
         self.schedulers = [TreeScheduler.options(num_cpus=0).remote(self.pool, self.verifiers, model_path,
-                                                                   cfg.algo.sampler, cfg.sampler_config, sampling)
+                                                                   cfg.algo.sampler, cfg.sampler_config, sampling,
+                                                                   catpo, (self.healers or [None])[0])
                            for _ in range(rt.num_schedulers)]
         self.learner = LearnerGroup(model_path, cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
                                     rt.learner_resources, rt.torch_threads)
@@ -102,7 +110,7 @@ class Pipeline:
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
-        actors = self.pool.engines + self.verifiers.verifiers + self.schedulers + self.learner.ranks
+        actors = self.pool.engines + self.verifiers.verifiers + self.schedulers + self.healers + self.learner.ranks
         for actor in actors:
             ray.kill(actor)
 
@@ -158,12 +166,15 @@ class Pipeline:
             pick = np.random.default_rng([cfg.trainer.seed, step]).choice(len(kept), need, replace=False)
             kept = [kept[i] for i in sorted(pick)]
         t_grow = time.perf_counter()
-        # CATPO slots in here, between verification and credit: informativeness of each tree, critique-guided
-        # healing of dead-wrong trees, and per-tree weights passed to build_samples(tree_weights=...).
-        samples = build_samples(kept, algo)
+        # CATPO phase 4 (phases 2-3 ran in the schedulers): each tree's advantages scaled by w(T) = F / mean F.
+        weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
+        samples = build_samples(kept, algo, tree_weights=weights)
         t_credit = time.perf_counter()
 
         metrics = tree_metrics(grown, algo.correct_threshold)
+        metrics["rollout/sampled_tokens"] = float(sampled_tokens(grown))  # healing's generation included
+        if algo.name == "catpo":
+            metrics.update(catpo_metrics(grown, weights))
         after = self._engine_counters()
         fwd = after.get("forward_tokens", 0) - before.get("forward_tokens", 0)
         unique = metrics.get("tree/unique_tokens", 0.0)
