@@ -1,0 +1,121 @@
+"""CATPO phases 2 and 4 through the batch code, on constructed trees with hand-computed F(T) (no Ray, no model)."""
+
+import math
+
+import pytest
+
+from treepo_ray.healing.critique import HealResult
+from treepo_ray.runtime.batch import AlgoConfig, build_samples
+from treepo_ray.runtime.catpo import CatpoConfig, catpo_metrics, catpo_weights, record_heal, sampled_tokens, \
+    score_tree
+from treepo_ray.runtime.config import CONFIG_DIR, load_config
+from treepo_ray.tree.tree import Tree
+
+
+def flat_tree(rewards, logprobs, qid):
+    """Root with one single-token child per leaf; child i's log-prob (its summed log-prob) is logprobs[i]."""
+    t = Tree(prompt_ids=[5, 6], query_id=qid)
+    for lp in logprobs:
+        t.add_node(0, [10], [lp], "eos")
+    t.trajectories = t.leaves()
+    t.set_trajectory_rewards(rewards)
+    return t
+
+
+def batch():
+    # informative: p = 1/4, equal log-probs (rho undefined -> 0): F = 3/16 = 0.1875 > 0.10
+    informative = flat_tree([1, 0, 0, 0], [-1.0] * 4, "inf")
+    # stale: p = 1/4, log-prob sums x = (2, 0, 0, 1) vs rewards (1, 0, 0, 0): rho^2 = 1.5625 / (2.75 * 0.75),
+    # F = 0.1875 * (1 - rho^2) = 0.04545..., between tau_low and tau_high
+    stale = flat_tree([1, 0, 0, 0], [2.0, 0.0, 0.0, 1.0], "stale")
+    dead_wrong = flat_tree([0, 0, 0, 0], [-1.0, -2.0, -3.0, -4.0], "wrong")  # p = 0: F = 0
+    dead_correct = flat_tree([1, 1, 1, 1], [-1.0, -2.0, -3.0, -4.0], "right")  # p = 1: F = 0
+    return [informative, stale, dead_wrong, dead_correct]
+
+
+F_STALE = 0.1875 * (1 - 1.5625 / (2.75 * 0.75))
+
+
+def test_phase2_scores_and_classifies_each_tree():
+    trees, cfg = batch(), CatpoConfig()
+    got = [score_tree(t, cfg) for t in trees]
+    assert [g["regime"] for g in got] == ["informative", "stale", "dead_wrong", "dead_correct"]
+    assert [g["F"] for g in got] == pytest.approx([0.1875, F_STALE, 0.0, 0.0])
+    assert [g["p"] for g in got] == [0.25, 0.25, 0.0, 1.0]
+    assert all(t.meta["catpo"]["F0"] == t.meta["catpo"]["F"] for t in trees)  # nothing healed yet
+    # Thresholds come from the config: with tau_high above 0.1875 the informative tree is stale.
+    assert score_tree(batch()[0], CatpoConfig(tau_high=0.2))["regime"] == "stale"
+
+
+def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
+    trees = batch()
+    mean = (0.1875 + F_STALE) / 4
+    w = catpo_weights(trees)
+    assert w == pytest.approx([0.1875 / mean, F_STALE / mean, 0.0, 0.0])
+    assert sum(w) / len(w) == pytest.approx(1.0)  # normalised: the batch's mean weight is 1
+    assert catpo_weights([trees[2], trees[3]]) == [1.0, 1.0]  # all F = 0: uniform, not 0/0
+
+    cfg = AlgoConfig(name="catpo")
+    assert cfg.sampler == "treerpo"
+    weighted = build_samples(trees, cfg, tree_weights=w)
+    plain = build_samples(trees, AlgoConfig(name="treerpo"))
+    assert [s.advantages for s in weighted] == [s.advantages for s in plain]  # TreeRPO's credit ...
+    assert [s.weight for s in weighted] == pytest.approx([w[0]] * 4 + [w[1]] * 4 + [0.0] * 4 + [0.0] * 4)
+    # ... e.g. the informative tree's winner: (1 - 1/4) / (1/4 * 3/4 + eps) with eps = 1e-6 (TreeRPO eq. 2)
+    assert weighted[0].advantages[0] == pytest.approx(0.75 / (0.1875 + 1e-6))
+
+
+def test_step_metrics_count_regimes_healing_and_cost():
+    trees, cfg = batch(), CatpoConfig()
+    for t in trees:
+        score_tree(t, cfg)
+    wrong = trees[2]
+    # What a heal does to the tree (grafts 2 children of the root, one verified correct), then the rescore.
+    g1 = wrong.add_node(0, [11, 12, 13], [-0.5] * 3, "eos")
+    g2 = wrong.add_node(0, [14], [-0.5], "eos")
+    wrong.trajectories += [g1, g2]
+    wrong.meta["grafted"] = [g1, g2]
+    wrong.reward[g1], wrong.reward[g2] = 1.0, 0.0
+    wrong.propagate_rewards()
+    record_heal(wrong, HealResult(failure_node=0, grafted=[g1, g2], critique="c", prompt_tokens=30,
+                                  generated_tokens=9, rewards=[1.0, 0.0]))
+    healed = score_tree(wrong, cfg)
+    assert healed["regime0"] == "dead_wrong" and healed["p"] == pytest.approx(1 / 6) and healed["F"] > 0
+    record_heal(trees[3], None, error="refused")  # a failed attempt counts as an attempt, not a heal
+
+    w = catpo_weights(trees)
+    m = catpo_metrics(trees, w)
+    assert (m["catpo/informative"], m["catpo/stale"], m["catpo/dead_wrong"], m["catpo/dead_correct"]) == (1, 1, 1, 1)
+    assert m["catpo/F_mean_sampled"] == pytest.approx((0.1875 + F_STALE) / 4)
+    assert m["catpo/F_mean"] == pytest.approx((0.1875 + F_STALE + healed["F"]) / 4)
+    assert (m["catpo/heal_attempts"], m["catpo/heal_errors"], m["catpo/healed"], m["catpo/healed_share"]) == (
+        2, 1, 1, 0.5)
+    assert (m["catpo/heal_generated_tokens"], m["catpo/heal_prompt_tokens"], m["catpo/grafted"]) == (9, 30, 2)
+    assert m["catpo/weight_zero_share"] == 0.25 and m["catpo/weight_max"] == pytest.approx(max(w))
+    # Sampled tokens: 16 sampled one-token segments, plus the healing's 9 generated tokens (grafts not twice).
+    assert sampled_tokens(trees) == 16 + 9
+
+
+def test_unscored_trees_and_bad_thresholds_are_refused():
+    with pytest.raises(ValueError, match="'inf' was never scored"):
+        catpo_metrics(batch())
+    with pytest.raises(ValueError, match="tau_low"):
+        CatpoConfig(tau_low=0.2, tau_high=0.1)
+    assert math.isnan(catpo_metrics([t for t in batch() if score_tree(t, CatpoConfig())])["catpo/healed_share"])
+
+
+def test_catpo_configs_hold_the_paper_settings():
+    paper = load_config(CONFIG_DIR / "catpo_paper.yaml")
+    c, t, loss = paper.algo.catpo, paper.rollout.treerpo, paper.learner.loss
+    assert paper.algo.name == "catpo" and (t.n_children, t.max_depth, t.step_len) == (8, 3, 384)
+    assert (c.tau_low, c.tau_high, c.var_cut, c.healing.num_refinements, c.healing.epsilon) == (
+        0.025, 0.10, 0.05, 4, 0.05)
+    assert (c.healing.critique_temperature, c.healing.critique_max_tokens, c.healing.refine_temperature) == (
+        0.3, 256, 0.6)
+    assert (loss.kl_coef, loss.kl_estimator, loss.entropy_coef, loss.clip_low, loss.clip_high) == (
+        0.001, "k3", -0.001, 0.2, 0.2)
+    assert paper.rollout.temperature == paper.learner.temperature == 0.6
+    assert (paper.learner.lr, paper.trainer.prompts_per_step, paper.learner.mini_batches) == (1e-6, 32, 2)
+    cpu = load_config(CONFIG_DIR / "catpo_cpu.yaml")
+    assert cpu.algo.name == "catpo" and cpu.model.engine == "hf" and cpu.runtime.num_engines == 1
+    assert load_config(CONFIG_DIR / "catpo_cpu.yaml", ["algo.name=treerpo"]).algo.sampler == "treerpo"

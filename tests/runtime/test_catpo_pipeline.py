@@ -1,0 +1,105 @@
+"""A real small CATPO run on local Ray with a real (random) tiny model: every tree is verified, scored, found
+dead-wrong (a random model never answers right) and healed by the healer actor on the generator pool; grafted
+branches carry their tokens' log-probs given the tree's own prefix, are verified, and train like sampled ones."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import ray
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
+from treepo_ray.healing.critique import HealingConfig
+from treepo_ray.healing.logprobs import teacher_forced_logprobs
+from treepo_ray.runtime.catpo import CatpoConfig
+from treepo_ray.runtime.config import CONFIG_DIR, load_config
+from treepo_ray.runtime.healing import make_healer, score_and_heal
+from treepo_ray.runtime.pipeline import Pipeline, PromptStream
+from treepo_ray.runtime.train import load_task
+from treepo_ray.tree.tree import Tree
+
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=1, max_positions=256)
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", cfg))
+
+
+@pytest.fixture(scope="module")
+def pipeline(ray_local, tiny):
+    """4 prompts x a binary tree of depth 2 with 8-token steps; 2 grafts of a critique of at most 8 tokens."""
+    cfg = load_config(CONFIG_DIR / "catpo_cpu.yaml", [
+        f"model.path={tiny}", f"model.cache_dir={CACHE}", "rollout.treerpo.n_children=2",
+        "rollout.treerpo.max_depth=2", "rollout.treerpo.step_len=8", "trainer.prompts_per_step=4",
+        "algo.catpo.healing.num_refinements=2", "algo.catpo.healing.critique_max_tokens=8",
+        "runtime.max_staleness=0", "learner.micro_batch_size=8"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    records, _ = load_task(cfg, tokenizer)
+    pipe = Pipeline(cfg, tiny, tokenizer)
+    yield pipe, records
+    pipe.shutdown()
+
+
+def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
+    pipe, records = pipeline
+    stream = PromptStream(records, 0)
+    batch = pipe.make_batch(0, stream, num_trees_logged=4)
+    m = batch.metrics
+    assert m["catpo/dead_wrong"] == 4 and m["catpo/heal_attempts"] == 4 and m["catpo/heal_errors"] == 0
+    assert m["catpo/grafted"] == 8 and 0.0 <= m["catpo/healed_share"] <= 1.0
+    assert m["catpo/heal_generated_tokens"] > 0 and m["catpo/heal_prompt_tokens"] > 0
+
+    hf, vocab = AutoModelForCausalLM.from_pretrained(tiny).eval(), len(AutoTokenizer.from_pretrained(tiny))
+    sampled = 0
+    for rec in batch.trees:
+        tree = Tree.from_dict(rec)
+        info, grafted = tree.meta["catpo"], tree.meta["grafted"]
+        assert info["regime0"] == "dead_wrong" and info["F0"] == 0.0 and info["heal"]["failure_node"] == 0
+        assert len(grafted) == 2 and tree.trajectories[-2:] == grafted and len(tree.trajectories) == 4 + 2
+        for node in grafted:
+            assert tree.parent[node] == 0 and 1 <= len(tree.tokens[node]) <= 8  # cut to the step length
+            assert tree.reward[node] in (0.0, 1.0)  # verified
+            # log-probs of the grafted tokens given the tree's prompt, not the critique prompt (base weights)
+            want = teacher_forced_logprobs(hf, tree.prompt_ids, tree.tokens[node], vocab_size=vocab)
+            assert tree.logprobs[node] == pytest.approx(want, abs=1e-4)
+        # the root's reward is re-propagated over all of its children, grafts included
+        kids = tree.children(0)
+        assert tree.reward[0] == pytest.approx(sum(tree.reward[k] for k in kids) / len(kids))
+        sampled += sum(len(tree.tokens[n]) for n in range(1, len(tree)) if n not in grafted)
+        sampled += info["heal"]["generated_tokens"]
+    assert m["rollout/sampled_tokens"] == sampled
+    assert batch.num_samples == 4 * (4 + 2)  # grafted trajectories train like sampled ones
+
+    rows = []
+    done = pipe.train(0, 1, PromptStream(records, 0, position=4), lambda b, mm: rows.append(mm) or True)
+    assert done == 1 and rows[0]["train/samples"] == 24 and rows[0]["catpo/heal_attempts"] == 4
+
+
+def test_a_heal_the_engine_refuses_is_recorded_and_the_tree_kept(pipeline, tiny):
+    pipe, _ = pipeline
+    # A critique of 300 tokens cannot fit the model's 256 positions: the engine refuses the request.
+    cfg = CatpoConfig(healing=HealingConfig(critique_max_tokens=300))
+    healer = make_healer(pipe.pool, pipe.verifiers, tiny, cfg, step_len=8)
+    tree = Tree(prompt_ids=[40, 41, 42], query_id="refused")
+    for _ in range(2):
+        tree.add_node(0, [50, 51], [-1.0, -1.0], "eos")
+    tree.trajectories = [1, 2]
+    tree.set_trajectory_rewards([0.0, 0.0])
+    tree.meta.update(ground_truth="7", data_source="synthetic_addition")
+    try:
+        out = asyncio.run(score_and_heal(tree, cfg, healer, seed=1))
+    finally:
+        ray.kill(healer)
+    assert out is tree and len(tree) == 3 and tree.trajectories == [1, 2]
+    assert "prefix + max_new_tokens" in tree.meta["catpo"]["heal"]["error"]
+    assert tree.meta["catpo"]["regime"] == "dead_wrong"
