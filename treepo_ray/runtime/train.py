@@ -138,8 +138,13 @@ def run(cfg: TrainConfig) -> dict:
             save(step, batch.data_position)
         return True
 
-    done = pipe.train(start, end, stream, on_step, cfg.log.trees_per_step, eval_every=tr.eval_every)
-    bar.close()
+    try:
+        done = pipe.train(start, end, stream, on_step, cfg.log.trees_per_step, eval_every=tr.eval_every)
+    except BaseException:
+        logger.close()  # W&B run and the curve of what was trained, then the error
+        raise
+    finally:
+        bar.close()
     loop_s = time.time() - loop_start
     completed = done >= tr.steps
     summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": str(run_dir),
