@@ -91,6 +91,7 @@ def test_step_metrics_count_regimes_healing_and_cost():
     assert (m["catpo/heal_attempts"], m["catpo/heal_errors"], m["catpo/healed"], m["catpo/healed_share"]) == (
         2, 1, 1, 0.5)
     assert (m["catpo/heal_generated_tokens"], m["catpo/heal_prompt_tokens"], m["catpo/grafted"]) == (9, 30, 2)
+    assert m["catpo/heal_F_improved"] == 1
     assert m["catpo/weight_zero_share"] == 0.25 and m["catpo/weight_max"] == pytest.approx(max(w))
     # Sampled tokens: 16 sampled one-token segments, plus the healing's 9 generated tokens (grafts not twice).
     assert sampled_tokens(trees) == 16 + 9

@@ -117,6 +117,7 @@ def catpo_metrics(trees: list[Tree], weights: list[float] | None = None) -> dict
         "catpo/healed": float(healed),
         # CATPO H2: share of the dead-wrong trees that have at least one correct branch after healing.
         "catpo/healed_share": healed / len(heals) if heals else float("nan"),
+        "catpo/heal_F_improved": float(sum(i["F"] > i["F0"] for i in infos if "heal" in i)),
         "catpo/heal_generated_tokens": float(sum(h["generated_tokens"] for h in done)),
         "catpo/heal_prompt_tokens": float(sum(h["prompt_tokens"] for h in done)),
         "catpo/grafted": float(sum(h["grafted"] for h in done)),
