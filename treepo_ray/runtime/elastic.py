@@ -1,0 +1,460 @@
+"""The generator pool that survives lost engines and follows the cluster's size.
+
+    ElasticGeneratorPool  the routing table each scheduler holds (picklable); a tree's requests stay on one engine,
+                          and when that engine dies mid-segment its requests are sent again, whole, to a live one
+    PoolManager           (driver) owns the engine actors: notices deaths, replaces lost engines, adds engines where
+                          Ray reports room, and loads the pool's current weights into an engine before it joins
+
+Both report to the RuntimeRegistry (registry.py): the member list every scheduler's table catches up from, and the
+journal of fault events behind each step's `fault/*` metrics.
+
+Nothing of a tree lives in an engine: the schedulers own the tree state, and a request carries the full prefix ids.
+A re-sent request names a cache key of the dead engine, which the new engine does not know, so it computes the
+prefix from the ids (engines/base.py). Seeded sampling makes the re-sent segment the one the dead engine would
+have produced, so a loss costs time, not trajectories.
+
+Engines are replaced, not restarted in place by Ray (max_restarts=0, max_task_retries=0). A call in flight to a
+dead engine then fails at once with ActorDiedError, and the scheduler re-sends it to a live engine; Ray's retry
+would instead wait for the engine's restart (after a preemption: for a new node) and run on a fresh actor that
+still holds the base weights. The replacement is a new actor that joins the routing tables only after it has
+loaded the weights the rest of the pool runs. While the cluster has no room it stays a pending actor, outside the
+pool: the resource demand an autoscaler answers with a new node. Verifiers, which hold no state, are the case
+where Ray's in-place restart is the right tool (faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from treepo_ray.engines.base import SegmentRequest, SegmentResult
+from treepo_ray.runtime.actors import EngineActor
+from treepo_ray.runtime.registry import RuntimeRegistry, actor_id, actor_lost, on_this_node, ping, report
+
+
+# ---------------------------------------------------------------------------------------------- routing
+
+
+class ElasticGeneratorPool:
+    """Routes segment requests to engine actors, keyed by a stable engine id. Picklable: each scheduler holds its own
+    copy and catches up with the registry's member list at most every `refresh_s` seconds, and at once after a loss.
+
+    A tree's requests all go to the engine its first request went to (its prefix cache lives there); a new tree goes
+    to the engine with the fewest live trees of this copy. `generate` returns an awaitable (call it in an event loop)
+    that re-sends the requests to another engine when theirs dies.
+    """
+
+    def __init__(self, registry, engines: dict | None = None, max_resends: int = 16, refresh_s: float = 0.5,
+                 engine_wait_s: float = 900.0):
+        self.registry = registry
+        self.max_resends, self.refresh_s, self.engine_wait_s = max_resends, refresh_s, engine_wait_s
+        self._epoch = 0
+        self._engines: dict[str, object] = {}
+        self._live: dict[str, int] = {}
+        self._home: dict[str, str] = {}
+        self._dead: set[str] = set()  # never re-admitted, even if a stale member list still names it
+        self._checked = 0.0
+        self.set_engines(0, engines or {})
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._checked = 0.0  # another process's clock: refresh on the first call
+
+    @property
+    def engines(self) -> list:
+        return list(self._engines.values())
+
+    def set_engines(self, epoch: int, engines: dict) -> None:
+        """Adopt a member list; trees homed on engines that left are re-routed on their next request."""
+        self._epoch = max(self._epoch, epoch)
+        keep = {eid: e for eid, e in engines.items() if eid not in self._dead}
+        for eid in set(self._engines) - set(keep):
+            self._forget(eid)
+        self._engines = keep
+        for eid in keep:
+            self._live.setdefault(eid, 0)
+
+    def _forget(self, eid: str) -> None:
+        self._engines.pop(eid, None)
+        self._live.pop(eid, None)
+        for qid in [q for q, home in self._home.items() if home == eid]:
+            del self._home[qid]
+
+    def _home_of(self, query_id: str) -> str:
+        home = self._home.get(query_id)
+        if home is None or home not in self._engines:
+            if not self._engines:
+                raise RuntimeError("the generator pool has no live engine")
+            home = min(self._engines, key=self._live.__getitem__)
+            self._home[query_id] = home
+            self._live[home] += 1
+        return home
+
+    def engine_of(self, query_id: str) -> int:
+        """Position in `engines` of the engine `query_id`'s tree lives on (chosen now if it has none). Positions
+        shift when members change; use it at once (`pool.engines[pool.engine_of(q)]`)."""
+        return list(self._engines).index(self._home_of(query_id))
+
+    async def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._checked >= self.refresh_s:
+            self._checked = now
+            got = await self.registry.engines_since.remote(self._epoch)
+            if got is not None:
+                self.set_engines(*got)
+
+    def _refresh_sync(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._checked >= self.refresh_s:
+            self._checked = now
+            got = ray.get(self.registry.engines_since.remote(self._epoch))
+            if got is not None:
+                self.set_engines(*got)
+
+    def _no_engine(self, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no live engine for {self.engine_wait_s:.0f}s (runtime.faults.engine_wait_s)")
+
+    def _resent(self, eid: str, err: BaseException, query_id: str, what: str) -> None:
+        self._lost(eid)
+        self.registry.record.remote("resent_requests", f"engine {eid[:8]} lost mid-call ({type(err).__name__}): "
+                                    f"{what} of {query_id} sent again", 1)
+
+    def _gave_up(self, query_id: str) -> RuntimeError:
+        return RuntimeError(f"{query_id}: sent {self.max_resends + 1} times and every engine died under it "
+                            "(runtime.faults.max_resends)")
+
+    def generate(self, query_id: str, requests: list[SegmentRequest]):
+        """Awaitable of the results of `requests`, all of one tree (call it in an event loop)."""
+        return self.call(query_id, "generate", requests)
+
+    async def call(self, query_id: str, method: str, *args):
+        """`engine.<method>(*args)` on the engine of `query_id`'s tree, sent again to another engine if that one
+        dies before answering (the method must be safe to run twice: a dead engine's half-done call is lost)."""
+        if query_id not in self._home:
+            await self._refresh()  # a new tree: pick up engines that joined meanwhile
+        deadline = time.monotonic() + self.engine_wait_s
+        for _ in range(self.max_resends + 1):
+            while not self._engines:
+                self._no_engine(deadline)
+                await asyncio.sleep(self.refresh_s)
+                await self._refresh(force=True)
+            eid = self._home_of(query_id)
+            try:
+                return await getattr(self._engines[eid], method).remote(*args)
+            except RayActorError as err:
+                if not actor_lost(err):
+                    raise
+                self._resent(eid, err, query_id, method)
+        raise self._gave_up(query_id)
+
+    def call_sync(self, query_id: str, method: str, *args):
+        """Blocking `call`, for callers outside an event loop (threads of a threaded actor)."""
+        if query_id not in self._home:
+            self._refresh_sync()
+        deadline = time.monotonic() + self.engine_wait_s
+        for _ in range(self.max_resends + 1):
+            while not self._engines:
+                self._no_engine(deadline)
+                time.sleep(self.refresh_s)
+                self._refresh_sync(force=True)
+            eid = self._home_of(query_id)
+            try:
+                return ray.get(getattr(self._engines[eid], method).remote(*args))
+            except RayActorError as err:
+                if not actor_lost(err):
+                    raise
+                self._resent(eid, err, query_id, method)
+        raise self._gave_up(query_id)
+
+    def _lost(self, eid: str) -> None:
+        self._dead.add(eid)
+        self._forget(eid)
+        self._checked = 0.0  # look for replacements on the next call
+
+    def finish(self, query_id: str, cache_keys: list[str]) -> None:
+        """The tree is complete: free its caches on its engine (keys of a dead engine are unknown to the new one,
+        which ignores them) and forget its route."""
+        home = self._home.pop(query_id, None)
+        if home is not None and home in self._engines:
+            self._live[home] -= 1
+            if cache_keys:
+                self._engines[home].release.remote(cache_keys)
+
+    def load_weights(self, state_ref, version: int) -> list[str]:
+        """Load one object-store copy of the weights into every engine; returns the ids of engines found dead
+        (the pool manager replaces them). Any other failure is raised."""
+        refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
+        lost = []
+        for eid, ref in refs.items():
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                if not actor_lost(err):
+                    raise
+                lost.append(eid)
+                self._lost(eid)
+        return lost
+
+    def stats(self) -> list[dict]:
+        """Counters of each live engine (with its `engine_id`); dead engines are left out."""
+        refs = [(eid, e.stats.remote()) for eid, e in list(self._engines.items())]
+        out = []
+        for eid, ref in refs:
+            try:
+                out.append({**ray.get(ref), "engine_id": eid})
+            except RayActorError as err:
+                if not actor_lost(err):
+                    raise
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- the driver's side
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine actor, and the resources it asks of Ray (runtime.engine_*)."""
+
+    engine: str
+    model_path: str
+    engine_kwargs: dict = field(default_factory=dict)
+    torch_threads: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict = field(default_factory=dict)
+
+    def demand(self) -> dict[str, float]:
+        want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: float(v) for k, v in want.items() if v}
+
+    def fits(self, available: dict) -> bool:
+        """Whether `available` (ray.available_resources()) has room for one more engine."""
+        return all(available.get(k, 0.0) >= v for k, v in self.demand().items())
+
+    def start(self):
+        return EngineActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
+                                   max_restarts=0, max_task_retries=0).remote(
+            self.engine, self.model_path, self.engine_kwargs, self.torch_threads)
+
+
+class PoolManager:
+    """Keeps `num_engines` engine actors requested at all times (lost ones are replaced; a replacement waits as a
+    pending actor until the cluster has room) and adds more, up to `max_engines`, whenever Ray reports room for one.
+    An engine joins the pool only after loading the weights the pool runs now. Runs a thread polling every `poll_s`.
+    """
+
+    def __init__(self, spec: EngineSpec, num_engines: int, max_engines: int = 0, poll_s: float = 0.5,
+                 max_resends: int = 16, engine_wait_s: float = 900.0, startup_timeout_s: float = 600.0,
+                 registry=None):
+        if num_engines < 1:
+            raise ValueError(f"num_engines = {num_engines}; the pool needs at least one engine")
+        self.spec, self.num_engines = spec, num_engines
+        self.max_engines = max(max_engines, num_engines)
+        self.poll_s = poll_s
+        self.registry = registry or RuntimeRegistry.options(scheduling_strategy=on_this_node()).remote()
+        self.pool = ElasticGeneratorPool(self.registry, {}, max_resends, poll_s, engine_wait_s)
+        self._live: dict[str, object] = {}
+        self._pending: dict[str, tuple[object, object]] = {}  # id -> (actor, ObjectRef that resolves when it is up)
+        self._pings: dict[str, object] = {}
+        self._weights: tuple[int, object] = (0, None)  # the version (and ObjectRef) every live engine holds
+        self._epoch = 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._growth = threading.Event()  # cleared while paused: no growth (a restarting learner needs the room)
+        self._growth.set()
+        self._thread: threading.Thread | None = None
+        self.joined = self.lost = 0
+        for _ in range(num_engines):
+            self._spawn()
+        self._await_first(startup_timeout_s)
+
+    # -------------------------------------------------------------------------------- membership
+
+    def _spawn(self) -> None:
+        actor = self.spec.start()
+        self._pending[actor_id(actor)] = (actor, actor.stats.remote())
+
+    def _await_first(self, timeout_s: float) -> None:
+        """Wait for every engine of the initial pool (at least one; the rest may join later)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            self.tick(wait_s=min(self.poll_s, max(deadline - time.monotonic(), 0)))
+        if not self._live:
+            raise RuntimeError(f"no engine actor started within {timeout_s:.0f}s (asks {self.spec.demand()}; "
+                               f"cluster has {ray.available_resources()})")
+
+    def _publish(self) -> None:
+        self._epoch += 1
+        self.pool.set_engines(self._epoch, self._live)
+        self.registry.set_engines.remote(self._epoch, dict(self._live))
+
+    def _event(self, kind: str, detail: str, count: int = 1) -> None:
+        self.registry.record.remote(kind, detail, count)
+
+    def tick(self, wait_s: float = 0.0) -> None:
+        """One round: admit engines that came up, drop dead ones, ask for replacements and for growth."""
+        with self._lock:
+            self._admit(wait_s)
+            self._check_health()
+            self._request_more()
+
+    def _admit(self, wait_s: float) -> None:
+        if not self._pending:
+            return
+        ready = {ref: eid for eid, (_, ref) in self._pending.items()}
+        done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=wait_s)
+        changed = False
+        for ref in done:
+            eid = ready[ref]
+            actor, _ = self._pending.pop(eid)
+            version, weights = self._weights
+            try:
+                ray.get(ref)
+                if weights is not None:  # the pool runs trained weights: the newcomer loads them first
+                    ray.get(actor.load_weights.remote(weights, version))
+            except RayActorError as err:  # died while starting (its node went away): nothing joined
+                self._event("engines_lost", f"engine {eid[:8]} died while starting: {type(err).__name__}")
+                ray.kill(actor)
+                continue
+            self._live[eid] = actor
+            self.joined += 1
+            changed = True
+            self._event("engines_joined", f"engine {eid[:8]} joined with weights v{version}")
+        if changed:
+            self._publish()
+
+    def _check_health(self) -> None:
+        for eid, actor in self._live.items():
+            if eid not in self._pings:
+                self._pings[eid] = ping(actor)
+        refs = {ref: eid for eid, ref in self._pings.items()}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        dead = []
+        for ref in done:
+            eid = refs[ref]
+            del self._pings[eid]
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                dead.append((eid, err))
+        for eid, err in dead:
+            self._drop(eid, f"engine {eid[:8]} lost: {type(err).__name__}")
+        if dead:
+            self._publish()
+
+    def _drop(self, eid: str, why: str) -> None:
+        if self._live.pop(eid, None) is not None:
+            self._pings.pop(eid, None)
+            self.lost += 1
+            self._event("engines_lost", why)
+
+    def _request_more(self) -> None:
+        # Floor: every lost engine is asked for again at once; if there is no room it waits as a pending actor.
+        while len(self._live) + len(self._pending) < self.num_engines:
+            self._spawn()
+        # Growth: one engine at a time, only where Ray reports room and nothing is still pending.
+        if (self._growth.is_set() and not self._pending and len(self._live) < self.max_engines
+                and self.spec.fits(ray.available_resources())):
+            self._spawn()
+
+    # -------------------------------------------------------------------------------- the thread
+
+    def start(self) -> "PoolManager":
+        """Start watching the pool (call once the run's other actors are placed: growth takes free room)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="generator-pool", daemon=True)
+            self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.tick()
+            except Exception as err:  # a monitoring hiccup must not end the run; the next round tries again
+                report(f"generator pool watch: {type(err).__name__}: {err}")
+
+    def pause_growth(self) -> None:
+        self._growth.clear()
+
+    def resume_growth(self) -> None:
+        self._growth.set()
+
+    def close(self) -> None:
+        """Stop the thread and kill every engine, pending ones too."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for actor in list(self._live.values()) + [a for a, _ in self._pending.values()]:
+                ray.kill(actor)
+            self._live.clear()
+            self._pending.clear()
+        ray.kill(self.registry)
+
+    # -------------------------------------------------------------------------------- what the pipeline calls
+
+    @property
+    def size(self) -> int:
+        """Engines in the pool now (live and serving)."""
+        return len(self._live)
+
+    def engines(self) -> list:
+        with self._lock:
+            return list(self._live.values())
+
+    def load_weights(self, state_ref, version: int) -> None:
+        """Make `version` the pool's weights: every live engine loads it now, every later joiner before joining."""
+        with self._lock:
+            self._weights = (version, state_ref)
+            lost = self.pool.load_weights(state_ref, version)
+            for eid in lost:
+                self._drop(eid, f"engine {eid[:8]} lost while loading weights v{version}")
+            if lost:
+                self._publish()
+
+    def stats(self) -> list[dict]:
+        return self.pool.stats()
+
+    def generate_now(self, requests: list[SegmentRequest], timeout_s: float = 900.0) -> list[SegmentResult]:
+        """Results of `requests` (any prefixes), spread over the live engines; requests of an engine that dies are
+        sent again to another one. Blocking; for the driver (evaluation)."""
+        results: dict[str, SegmentResult] = {}
+        todo = list(requests)
+        deadline = time.monotonic() + timeout_s
+        while todo:
+            with self._lock:
+                engines = list(self._live.items())
+            if not engines:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no live engine for {timeout_s:.0f}s to run {len(todo)} requests on")
+                self.tick(wait_s=self.poll_s)
+                continue
+            shards = [todo[i::len(engines)] for i in range(len(engines))]
+            calls = [(eid, shard, e.generate.remote(shard)) for shard, (eid, e) in zip(shards, engines) if shard]
+            todo = []
+            for eid, shard, ref in calls:
+                try:
+                    for res in ray.get(ref):
+                        results[res.request_id] = res
+                except RayActorError as err:
+                    if not actor_lost(err):
+                        raise
+                    todo += shard
+                    with self._lock:
+                        self._drop(eid, f"engine {eid[:8]} lost: {type(err).__name__}")
+                        self._publish()
+                    self._event("resent_requests", f"engine {eid[:8]} lost ({type(err).__name__}): "
+                                f"{len(shard)} requests sent again", len(shard))
+        return [results[r.request_id] for r in requests]
+
+    def drain_events(self) -> list[tuple[float, str, str, int]]:
+        try:
+            return ray.get(self.registry.drain.remote(), timeout=30)
+        except (RayActorError, GetTimeoutError):
+            return []

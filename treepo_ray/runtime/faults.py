@@ -1,0 +1,254 @@
+"""Surviving faults: verifier retries, guarded decoding and rewards, a lost learner rebuilt from its checkpoint,
+checkpoint write errors, and a chaos option that kills engines on purpose.
+
+    ResilientVerifierPool   verifiers behind a VerifierFront (registry.py): retried, then scored as failures
+    safe_decode             detokenisation that never raises on a bad model output
+    learner_lost / restore_learner / train_with_restarts
+                            the driver's answer to a lost learner: rebuild it, load the newest checkpoint, rewind the
+                            prompt stream to the checkpoint's data position, and go on (a bounded number of times)
+    save_checkpoint_or_report
+                            a failed checkpoint write (full disk) is logged and training goes on
+    ChaosMonkey             kills one engine every N seconds (runtime.chaos), by ray.kill or SIGKILL
+
+Engine losses are handled by the generator pool itself (elastic.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from treepo_ray.runtime.registry import VerifierFront, actor_lost, on_this_node, ping, report
+
+
+# ---------------------------------------------------------------------------------------------- bad values
+
+
+def safe_decode(tokenizer, ids, **kwargs) -> str:
+    """`tokenizer.decode(ids)` that never raises. A model output the tokenizer cannot read (ids outside its
+    vocabulary, e.g. from an embedding matrix padded past the tokenizer) decodes with U+FFFD in place of the bad
+    ids, so a bad sample is scored (as wrong) instead of killing the scheduler that holds a batch of trees."""
+    size = len(tokenizer)
+    try:
+        ids = [int(i) for i in ids]
+    except (TypeError, ValueError, OverflowError):
+        return "\ufffd"
+    if all(0 <= i < size for i in ids):
+        try:
+            return tokenizer.decode(ids, **kwargs)
+        except Exception:  # noqa: BLE001 - a tokenizer bug must not take down the run either
+            pass
+    out, run = [], []
+    for i in ids + [-1]:
+        if 0 <= i < size:
+            run.append(i)
+            continue
+        if run:
+            try:
+                out.append(tokenizer.decode(run, **kwargs))
+            except Exception:  # noqa: BLE001
+                out.append("\ufffd" * len(run))
+            run = []
+        out.append("\ufffd")
+    return "".join(out[:-1])  # the last U+FFFD stands for the -1 sentinel
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+class ResilientVerifierPool:
+    """What schedulers, the healer and the driver hold (picklable): `score(items)` is an ObjectRef of one finite
+    reward per item, from the VerifierFront. `verifiers` are the actors behind it."""
+
+    def __init__(self, verifiers: list, front):
+        if not verifiers:
+            raise ValueError("VerifierPool needs at least one verifier actor")
+        self.verifiers, self.front = list(verifiers), front
+
+    @classmethod
+    def start(cls, num_verifiers: int, num_cpus: float, timeout_s: float, registry, faults) -> "ResilientVerifierPool":
+        """`num_verifiers` verifier actors (restarted in place when lost) and their front."""
+        from treepo_ray.rewards.math import MathVerifyConfig
+        from treepo_ray.runtime.actors import VerifierActor
+
+        verifiers = [VerifierActor.options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0).remote(timeout_s)
+                     for _ in range(num_verifiers)]
+        front = VerifierFront.options(scheduling_strategy=on_this_node()).remote(
+            verifiers, registry, faults.verifier_retries, faults.verifier_call_timeout_s, MathVerifyConfig().wrong_score)
+        return cls(verifiers, front)
+
+    def score(self, items: list[tuple[str, str, str]]):
+        """ObjectRef of one finite reward per item."""
+        return self.front.score.remote(items)
+
+    def actors(self) -> list:
+        return [*self.verifiers, self.front]
+
+
+# ---------------------------------------------------------------------------------------------- the learner
+
+
+def learner_lost(group, timeout_s: float = 30.0) -> bool:
+    """Whether a rank of the learner group is dead, or stuck (does not answer a ping within `timeout_s`; a rank
+    whose peer died waits in a collective forever)."""
+    try:
+        ray.get([ping(r) for r in group.ranks], timeout=timeout_s)
+    except GetTimeoutError:
+        return True
+    except RayActorError as err:
+        return actor_lost(err)
+    return False
+
+
+def restore_learner(pipe, run_dir: str | Path | None) -> dict:
+    """Replace a lost learner group: kill what is left of it, build a new one, load the newest complete checkpoint of
+    `run_dir` (the base weights when there is none), and bring the engines to exactly those weights. Returns the
+    trainer state to continue from (at least {"step", "data_position"})."""
+    from treepo_ray.learner import latest_checkpoint
+
+    for rank in pipe.learner.ranks:
+        ray.kill(rank)
+    pipe.generators.pause_growth()  # the room the dead learner left is for its replacement, not for an engine
+    try:
+        pipe.learner = pipe.build_learner()
+    finally:
+        pipe.generators.resume_growth()
+    ckpt = latest_checkpoint(run_dir) if run_dir else None
+    state = {"step": 0, "data_position": 0}
+    if ckpt is not None:
+        state.update(pipe.learner.load_checkpoint(str(ckpt)))
+    step = int(state["step"])
+    pipe.publish(step)
+    # The engines may run weights of steps the lost learner trained after the checkpoint: reload, even if "older".
+    pipe.engine_version = -1
+    pipe.sync_weights(step)
+    return state
+
+
+def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: str | Path | None,
+                        on_restart=None, **train_kwargs) -> int:
+    """`pipe.train(start, end, stream, on_step, ...)` that survives a lost learner: the group is rebuilt from the
+    newest checkpoint of `run_dir`, the prompt stream rewound to the checkpoint's data position, and training goes
+    on from the checkpoint's step, at most runtime.faults.max_learner_restarts times. Steps the lost learner trained
+    after its checkpoint are trained again from that checkpoint, so each step of the final weights' history is
+    trained once; `on_restart(state, error, steps_redone)` lets the caller log the rewind honestly.
+    Runs runtime.chaos (engine kills, one learner kill) while training. Returns the number of steps completed."""
+    faults, chaos_cfg = pipe.cfg.runtime.faults, pipe.cfg.runtime.chaos
+    chaos = ChaosMonkey(pipe.generators, chaos_cfg).start() if chaos_cfg.kill_generator_every > 0 else None
+    restarts, reached, learner_killed = 0, [start], [False]
+
+    def counting(batch, metrics) -> bool:
+        reached[0] = batch.step + 1
+        go_on = on_step(batch, metrics)
+        if reached[0] == chaos_cfg.kill_learner_after_step and not learner_killed[0]:
+            learner_killed[0] = True
+            done = kill_actor(pipe.learner.ranks[0], "signal")
+            pipe.generators.registry.record.remote("chaos_kills", f"chaos killed learner rank 0 ({done})")
+        return go_on
+
+    try:
+        while True:
+            try:
+                return pipe.train(start, end, stream, counting, **train_kwargs)
+            except Exception as err:  # noqa: BLE001 - re-raised below unless the learner is what was lost
+                if restarts >= faults.max_learner_restarts or not learner_lost(pipe.learner, faults.learner_ping_s):
+                    raise
+                restarts += 1
+                report(f"learner lost after step {reached[0]} ({type(err).__name__}: {err}); restart {restarts} "
+                       f"of {faults.max_learner_restarts}")
+                state = restore_learner(pipe, run_dir)
+                start = int(state["step"])
+                redone, reached[0] = reached[0] - start, start
+                msg = (f"learner rebuilt from the checkpoint of step {start} (data position "
+                       f"{state['data_position']}); the {redone} steps trained after it are trained again")
+                report(msg)
+                pipe.generators.registry.record.remote("learner_restarts", msg)
+                if on_restart is not None:
+                    on_restart(state, err, redone)
+                # The same prompts in the same order as before the loss, from the checkpoint's position on.
+                stream = type(stream)(stream.records, stream.seed, stream.shuffle, position=int(state["data_position"]))
+    finally:
+        if chaos is not None:
+            chaos.stop()
+
+
+def save_checkpoint_or_report(group, directory: str | Path, trainer_state: dict) -> str | None:
+    """Save a checkpoint; on a write failure (full disk, ...) log it and return the message instead of raising, so
+    training goes on (the learner writes atomically: the previous checkpoint stays whole). A lost learner is
+    raised, for train_with_restarts."""
+    try:
+        group.save_checkpoint(str(directory), trainer_state)
+    except Exception as err:  # noqa: BLE001
+        if isinstance(err, RayActorError) and actor_lost(err):
+            raise
+        msg = f"checkpoint {Path(directory).name} not written, training goes on: {err}"
+        report(msg)
+        return msg
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- chaos
+
+
+def _pid_and_node(_actor) -> tuple[int, str]:
+    return os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def _kill_self(_actor) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_actor(actor, how: str) -> str:
+    """Kill `actor` with ray.kill ('ray') or SIGKILL of its process ('signal'; from here when it runs on this node,
+    else by itself). Returns how it was done."""
+    if how == "ray":
+        ray.kill(actor)
+        return "ray.kill"
+    pid, node = ray.get(actor.__ray_call__.remote(_pid_and_node), timeout=30)
+    if node == ray.get_runtime_context().get_node_id():
+        os.kill(pid, signal.SIGKILL)
+    else:
+        actor.__ray_call__.remote(_kill_self)
+    return f"SIGKILL pid {pid}"
+
+
+class ChaosMonkey:
+    """Kills one live engine of the pool every `cfg.kill_generator_every` seconds (wall time), to rehearse recovery.
+    Only engines that have joined the pool are victims, so with one engine each replacement serves before the next
+    kill."""
+
+    def __init__(self, generators, cfg):
+        self.generators, self.cfg = generators, cfg
+        self.kills = 0
+        self._rng = np.random.default_rng(cfg.seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+
+    def start(self) -> "ChaosMonkey":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.kill_generator_every):
+            engines = self.generators.engines()
+            if not engines:
+                continue
+            how = self.cfg.how if self.cfg.how != "alternate" else ("ray", "signal")[self.kills % 2]
+            victim = engines[int(self._rng.integers(len(engines)))]
+            try:
+                done = kill_actor(victim, how)
+            except Exception as err:  # noqa: BLE001 - it died some other way meanwhile
+                report(f"chaos: could not kill an engine: {type(err).__name__}: {err}")
+                continue
+            self.kills += 1
+            self.generators.registry.record.remote("chaos_kills", f"chaos killed an engine ({done})")
