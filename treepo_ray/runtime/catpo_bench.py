@@ -125,6 +125,8 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
             "paper_spearman": PAPER["h1_spearman"], "paper_pearson": PAPER["h1_pearson"],
             "F_mean": float(np.mean(F)), "grad_norm_mean": float(np.mean(norms)),
             "trees_F_zero": int(sum(f == 0 for f in F)), "trees_grad_norm_zero": int(sum(n == 0 for n in norms)),
+            # Leaves disagree but F = 0: the log-prob sums separate right from wrong exactly (|rho| = 1).
+            "mixed_trees_F_zero": int(sum(f == 0 and 0 < p < 1 for f, p in scores)),
             "regimes": {r: regimes.count(r) for r in sorted(set(regimes))},
             "pairs": [[round(f, 6), round(n, 6)] for f, n in zip(F, norms)]}
 
@@ -159,6 +161,7 @@ def train_run(pipe, records, cfg: TrainConfig, max_steps: int, token_budget: flo
                                   ("dead_correct", "dead_wrong", "stale", "informative")}
         out["F_mean_sampled"] = total("catpo/F_mean_sampled") / max(len(rows), 1)
         out["F_mean_after_healing"] = total("catpo/F_mean") / max(len(rows), 1)
+        out["weight_zero_share"] = total("catpo/weight_zero_share") / max(len(rows), 1)
         gen, prompt = total("catpo/heal_generated_tokens"), total("catpo/heal_prompt_tokens")
         out["healing"] = {
             "dead_wrong_trees": total("catpo/dead_wrong"), "attempts": attempts,
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(DEFAULT), help="YAML config (default: catpo_cpu.yaml)")
     ap.add_argument("--steps", type=int, default=0, help="CATPO training steps (default: trainer.steps)")
-    ap.add_argument("--h1-trees", type=int, default=48, help="trees of the H1 correlation check")
+    ap.add_argument("--h1-trees", type=int, default=64, help="trees of the H1 correlation check")
     ap.add_argument("--json", default=None, help="write the figures here as JSON")
     args, overrides = ap.parse_known_args(argv)
     if "=" in args.config:
