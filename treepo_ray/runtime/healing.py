@@ -23,6 +23,10 @@ from treepo_ray.runtime.catpo import CatpoConfig, needs_healing, record_heal, sc
 from treepo_ray.tree.tree import Tree
 
 
+class HealRefused(ValueError):
+    """An engine refused a healing request as bad input (e.g. a critique prompt longer than the model's context)."""
+
+
 @ray.remote
 class HealerActor:
     """Heals dead-wrong trees; `heal` calls run concurrently in threads, each mostly waiting on an engine."""
@@ -34,9 +38,19 @@ class HealerActor:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._lock = threading.Lock()  # the pool copy's routing table is shared by the threads
 
-    def _engine(self, key: str):
-        with self._lock:
-            return self.pool.engines[self.pool.engine_of(key)]
+    def _call(self, key: str, method: str, *args):
+        """`engine.<method>(*args)` on the engine `key` is routed to; a request the engine refuses as bad input
+        raises HealRefused."""
+        try:
+            if hasattr(self.pool, "call_sync"):  # an elastic pool: it re-sends to another engine if this one dies
+                return self.pool.call_sync(key, method, *args)
+            with self._lock:
+                engine = self.pool.engines[self.pool.engine_of(key)]
+            return ray.get(getattr(engine, method).remote(*args))
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, ValueError):
+                raise HealRefused(str(err.cause)) from None
+            raise
 
     def heal(self, tree: Tree, seed: int):
         """(healed tree, HealResult). The caller keeps its own copy of the tree, so a failure leaves it intact."""
@@ -44,12 +58,12 @@ class HealerActor:
         cache_keys: list[str] = []
 
         def generate(requests):
-            results = ray.get(self._engine(key).generate.remote(requests))
+            results = self._call(key, "generate", requests)
             cache_keys.extend(c.cache_key for r in results for c in r.children if c.cache_key)
             return results
 
         def logprobs(prefix_ids, token_ids):
-            return ray.get(self._engine(key).score.remote(prefix_ids, token_ids))
+            return self._call(key, "score", prefix_ids, token_ids)
 
         def score(t: Tree, node: int) -> float:
             solution = self.tokenizer.decode(t.response_ids(node), skip_special_tokens=True)
@@ -75,7 +89,7 @@ def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: in
 async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tree:
     """CATPO phases 2 and 3 for one verified tree: score it; if dead-wrong, heal it and score it again.
 
-    A healing request the engine refuses (bad input: a ValueError, e.g. a critique prompt longer than the model's
+    A healing request an engine refuses as bad input (HealRefused, e.g. a critique prompt longer than the model's
     context) is recorded in tree.meta["catpo"]["heal"]["error"] and counted per step (catpo/heal_errors); the tree
     is then trained as sampled. Any other failure stops the run.
     """
@@ -84,11 +98,8 @@ async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tre
         return tree
     try:
         healed, result = await healer.heal.remote(tree, seed)
-    except ValueError as err:  # Ray re-raises a remote ValueError as a subclass of ValueError
-        cause = err
-        while getattr(cause, "cause", None) is not None:  # unwrap the actor (and engine) layers
-            cause = cause.cause
-        message = f"healing tree {tree.query_id!r} failed: {cause}"
+    except HealRefused as err:  # Ray re-raises the healer's HealRefused as a subclass of it
+        message = f"healing tree {tree.query_id!r} failed: {getattr(err, 'cause', err)}"
         print(f"CATPO: {message}; it is trained as sampled", flush=True)
         record_heal(tree, None, error=message)
         return tree
