@@ -101,6 +101,77 @@ class TreeTracker:
 
 
 Progress = Callable[[Grower], Any]
+_GAUGES = {"cache_entries", "cache_tokens", "running", "pending", "weights_version"}
+
+
+class GrowLoop:
+    """`grow` one engine step at a time (so a caller can interleave or time several loops)."""
+
+    def __init__(
+        self,
+        growers: list[Grower],
+        engine: Engine,
+        params: SamplingParams | None = None,
+        stop_at_eos: bool = True,
+        progress: Progress | Any | None = None,
+    ):
+        self.growers = list(growers)
+        self.engine = engine
+        self.progress = progress
+        self.tracker = TreeTracker(params, stop_at_eos)
+        self.left = 0
+        self.busy_s = 0.0
+        """Wall time spent inside `step` (and the constructor's first requests)."""
+        self._before = engine.stats()
+        start = time.perf_counter()
+        for g in self.growers:
+            if g.done():
+                self._finished(g)
+                continue
+            self.left += 1
+            engine.add_requests(self.tracker.to_requests(g))
+        self.busy_s += time.perf_counter() - start
+
+    def _finished(self, g: Grower) -> None:
+        self.engine.release(self.tracker.release(g))
+        if self.progress is None:
+            return
+        if hasattr(self.progress, "update"):
+            self.progress.update(1)
+        else:
+            self.progress(g)
+
+    def step(self) -> bool:
+        """One engine step; feed its results to their growers and their new asks to the engine. False when done."""
+        if not self.left:
+            return False
+        start = time.perf_counter()
+        if not self.engine.has_unfinished():
+            raise RuntimeError(f"{self.left} trees are not done but none of their growers asks for anything")
+        for result in self.engine.step():
+            g, _ = self.tracker.deliver(result)
+            requests = self.tracker.to_requests(g)
+            if requests:
+                self.engine.add_requests(requests)
+            if g.done():
+                self.left -= 1
+                self._finished(g)
+        self.busy_s += time.perf_counter() - start
+        return self.left > 0
+
+    def summary(self) -> dict:
+        """The engine's counter deltas since the loop started, plus tree counts and `wall_s` (= busy_s)."""
+        after = self.engine.stats()
+        out = {k: v - self._before.get(k, 0) for k, v in after.items()
+               if isinstance(v, (int, float)) and k not in _GAUGES}
+        out.update(
+            trees=len(self.growers),
+            trajectories=sum(len(g.tree.trajectories) for g in self.growers),
+            generated_tokens=sum(sum(len(t) for t in g.tree.tokens) for g in self.growers),
+            unique_tree_tokens=sum(g.tree.unique_tokens() for g in self.growers),
+            wall_s=self.busy_s,
+        )
+        return out
 
 
 def grow(
@@ -116,46 +187,7 @@ def grow(
     independently. A finished tree's cache keys are released at once. `progress` is called with each finished
     grower, or, if it has an `update` method (a tqdm bar), updated by 1.
     """
-    tracker = TreeTracker(params, stop_at_eos)
-    before = engine.stats()
-    start = time.perf_counter()
-    left = 0
-
-    def finished(g: Grower) -> None:
-        engine.release(tracker.release(g))
-        if progress is None:
-            return
-        if hasattr(progress, "update"):
-            progress.update(1)
-        else:
-            progress(g)
-
-    for g in growers:
-        if g.done():
-            finished(g)
-            continue
-        left += 1
-        engine.add_requests(tracker.to_requests(g))
-    while left:
-        if not engine.has_unfinished():
-            raise RuntimeError(f"{left} trees are not done but none of their growers asks for anything")
-        for result in engine.step():
-            g, _ = tracker.deliver(result)
-            requests = tracker.to_requests(g)
-            if requests:
-                engine.add_requests(requests)
-            if g.done():
-                left -= 1
-                finished(g)
-    wall = time.perf_counter() - start
-    after = engine.stats()
-    gauges = {"cache_entries", "cache_tokens", "running", "pending", "weights_version"}
-    out = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float)) and k not in gauges}
-    out.update(
-        trees=len(growers),
-        trajectories=sum(len(g.tree.trajectories) for g in growers),
-        generated_tokens=sum(sum(len(t) for t in g.tree.tokens) for g in growers),
-        unique_tree_tokens=sum(g.tree.unique_tokens() for g in growers),
-        wall_s=wall,
-    )
-    return out
+    loop = GrowLoop(growers, engine, params, stop_at_eos, progress)
+    while loop.step():
+        pass
+    return loop.summary()

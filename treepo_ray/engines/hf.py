@@ -27,6 +27,7 @@ temperature, top-k and top-p), over the tokenizer's vocabulary: logits of padded
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 import uuid
@@ -400,7 +401,12 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.weights_version = 0
-        self._rng = random.Random(seed)
+        self._seed = seed
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Everything but the model and the settings: batch, caches, counters."""
+        self._rng = random.Random(self._seed)
         self._tag = uuid.uuid4().hex[:8]
         self._next_key = 0
         self._kv = self._net.new_buffer(0, 0)
@@ -415,6 +421,13 @@ class HFEngine:
         self._ids: set[str] = set()
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._times = dict.fromkeys(_TIMERS, 0.0)
+
+    def fork(self) -> HFEngine:
+        """Another engine on the same weights (shared, not copied) with its own batch, caches and counters (e.g.
+        to time two workloads side by side). `load_weights` on either changes both models' weights."""
+        other = copy.copy(self)
+        other._init_state()
+        return other
 
     # ------------------------------------------------------------------------------------------------ protocol
 
@@ -462,6 +475,25 @@ class HFEngine:
     def reset_stats(self) -> None:
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._times = dict.fromkeys(_TIMERS, 0.0)
+
+    def time_decode_step(self, rows: int, length: int, repeats: int = 5) -> float:
+        """Median seconds of one decode forward of `rows` sequences at position `length` (on a scratch buffer):
+        what the per-step fixed cost and the attention share are made of."""
+        if rows < 1 or not 1 <= length <= self._net.max_positions:
+            raise ValueError(f"rows must be >= 1 and length in [1, {self._net.max_positions}]")
+        kv = self._net.new_buffer(rows, length)
+        ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        pos = torch.full((rows, 1), length - 1, device=self.device)
+        mask = torch.zeros(rows, 1, 1, length, dtype=kv.dtype, device=self.device)
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                self._net.forward(kv, 0, ids, pos, mask, None)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        return sorted(times[1:])[repeats // 2]
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Copy `state_dict` (HF parameter names) into the model in place and drop every cache entry (its KV was
