@@ -13,6 +13,7 @@ original prefix (see healing/critique.py for why).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 
@@ -37,6 +38,13 @@ class HealerActor:
         self.pool, self.verifiers, self.cfg = pool, verifiers, cfg
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._lock = threading.Lock()  # the pool copy's routing table is shared by the threads
+        self._local = threading.local()
+
+    def _tokenizer(self):
+        # One copy per thread: a fast tokenizer used from two threads at once can fail ("Already borrowed").
+        if not hasattr(self._local, "tokenizer"):
+            self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return self._local.tokenizer
 
     def _call(self, key: str, method: str, *args):
         """`engine.<method>(*args)` on the engine `key` is routed to; a request the engine refuses as bad input
@@ -65,12 +73,14 @@ class HealerActor:
         def logprobs(prefix_ids, token_ids):
             return self._call(key, "score", prefix_ids, token_ids)
 
+        tokenizer = self._tokenizer()
+
         def score(t: Tree, node: int) -> float:
-            solution = self.tokenizer.decode(t.response_ids(node), skip_special_tokens=True)
+            solution = tokenizer.decode(t.response_ids(node), skip_special_tokens=True)
             item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"])
             return ray.get(self.verifiers.score([item]))[0]
 
-        healer = CritiqueHealer(self.tokenizer, generate, logprobs, score, self.cfg)
+        healer = CritiqueHealer(tokenizer, generate, logprobs, score, self.cfg)
         try:
             result = healer.heal(tree, seed)
         finally:
