@@ -199,7 +199,9 @@ class TreeScheduler:
         self.catpo, self.healer = catpo, healer  # CatpoConfig and HealerActor of a CATPO run, else None
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        from treepo_ray.runtime.faults import safe_decode  # here: faults imports this module
+
+        return safe_decode(self.tokenizer, ids, skip_special_tokens=True)  # a bad model output must not raise
 
     async def grow(self, prompts: list[dict]) -> list[Tree]:
         """Trees of `prompts` ({id, prompt_ids, ground_truth, data_source, seed}; ids unique over the run) with

@@ -18,6 +18,7 @@ from treepo_ray import config as config_io
 from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.runtime.batch import AlgoConfig
+from treepo_ray.runtime.fault_config import ChaosConfig, ElasticConfig, FaultConfig
 from treepo_ray.runtime.logs import LogConfig
 from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
 
@@ -112,6 +113,12 @@ class RuntimeConfig:
     """Custom Ray resources of each learner rank (e.g. {learner_gpu: 1})."""
     torch_threads: int = 1
     """torch threads of each engine and learner actor."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Lost actors and bad values: learner restarts, re-sent requests, verifier retries."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Generator pool size between num_engines and elastic.max_engines, following the cluster."""
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Deliberate engine kills, to rehearse recovery (off by default)."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:

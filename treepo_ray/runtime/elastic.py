@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import ray
@@ -217,6 +218,19 @@ class ElasticGeneratorPool:
 # ---------------------------------------------------------------------------------------------- the driver's side
 
 
+def _watch(manager_ref, stop: threading.Event, poll_s: float) -> None:
+    """The pool manager's thread: one `tick` every `poll_s` until stopped or the manager is gone."""
+    while not stop.wait(poll_s):
+        manager = manager_ref()
+        if manager is None:
+            return
+        try:
+            manager.tick()
+        except Exception as err:  # a monitoring hiccup must not end the run; the next round tries again
+            report(f"generator pool watch: {type(err).__name__}: {err}")
+        del manager
+
+
 @dataclass
 class EngineSpec:
     """How to start one engine actor, and the resources it asks of Ray (runtime.engine_*)."""
@@ -325,7 +339,8 @@ class PoolManager:
             self._live[eid] = actor
             self.joined += 1
             changed = True
-            self._event("engines_joined", f"engine {eid[:8]} joined with weights v{version}")
+            if self._thread is not None:  # a replacement or growth, not the initial pool
+                self._event("engines_joined", f"engine {eid[:8]} joined with weights v{version}")
         if changed:
             self._publish()
 
@@ -368,16 +383,12 @@ class PoolManager:
     def start(self) -> "PoolManager":
         """Start watching the pool (call once the run's other actors are placed: growth takes free room)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="generator-pool", daemon=True)
+            # The thread holds the manager only weakly: a pipeline dropped without shutdown() still releases its
+            # actor handles, and Ray then ends the engines as it always did.
+            self._thread = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, self.poll_s),
+                                            name="generator-pool", daemon=True)
             self._thread.start()
         return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                self.tick()
-            except Exception as err:  # a monitoring hiccup must not end the run; the next round tries again
-                report(f"generator pool watch: {type(err).__name__}: {err}")
 
     def pause_growth(self) -> None:
         self._growth.clear()

@@ -21,11 +21,14 @@ import numpy as np
 import ray
 
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
-from treepo_ray.runtime.actors import EngineActor, GeneratorPool, LearnerGroup, TreeScheduler, VerifierActor, VerifierPool
+from treepo_ray.runtime.actors import LearnerGroup, TreeScheduler
 from treepo_ray.runtime.batch import build_samples, keep_tree, tree_metrics
 from treepo_ray.runtime.catpo import catpo_metrics, catpo_weights, sampled_tokens
 from treepo_ray.runtime.healing import make_healer
 from treepo_ray.runtime.config import TrainConfig
+from treepo_ray.runtime.elastic import EngineSpec, PoolManager
+from treepo_ray.runtime.faults import ResilientVerifierPool, safe_decode
+from treepo_ray.runtime.registry import event_metrics, report
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
@@ -82,13 +85,16 @@ class Pipeline:
     def __init__(self, cfg: TrainConfig, model_path: str, tokenizer):
         rt = cfg.runtime
         self.cfg, self.tokenizer = cfg, tokenizer
-        engines = [EngineActor.options(num_cpus=rt.engine_cpus, num_gpus=rt.engine_gpus,
-                                       resources=rt.engine_resources or None)
-                   .remote(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads)
-                   for _ in range(rt.num_engines)]
-        self.pool = GeneratorPool(engines)
-        self.verifiers = VerifierPool([VerifierActor.options(num_cpus=rt.verifier_cpus).remote(rt.verifier_timeout_s)
-                                       for _ in range(rt.num_verifiers)])
+        self.model_path = model_path
+        # The generator pool replaces lost engines and grows where Ray reports room (elastic.py); verifiers are
+        # retried and their failures scored as wrong (faults.py). Both report to one registry of fault events.
+        spec = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
+                          rt.engine_gpus, rt.engine_resources)
+        self.generators = PoolManager(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
+                                      rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s)
+        self.pool = self.generators.pool
+        self.verifiers = ResilientVerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
+                                                     self.generators.registry, rt.faults)
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
         # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
@@ -100,17 +106,24 @@ class Pipeline:
                                                                    cfg.algo.sampler, cfg.sampler_config, sampling,
                                                                    catpo, (self.healers or [None])[0])
                            for _ in range(rt.num_schedulers)]
-        self.learner = LearnerGroup(model_path, cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
-                                    rt.learner_resources, rt.torch_threads)
+        self.learner = self.build_learner()
         self.engine_version = 0
         self.eval_set: list[dict] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
         self._published: tuple[int, object] = (0, None)  # newest (version, weights ObjectRef) of the learner
         self._lock = threading.Lock()
+        self.generators.start()  # only now: growth takes free room, which the actors above needed first
+
+    def build_learner(self) -> LearnerGroup:
+        """A new learner group with the base weights (also what replaces a lost one, see faults.restore_learner)."""
+        rt = self.cfg.runtime
+        return LearnerGroup(self.model_path, self.cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
+                            rt.learner_resources, rt.torch_threads)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
-        actors = self.pool.engines + self.verifiers.verifiers + self.schedulers + self.healers + self.learner.ranks
+        self.generators.close()  # the engines, pending ones too, and the registry
+        actors = self.verifiers.actors() + self.schedulers + self.healers + self.learner.ranks
         for actor in actors:
             ray.kill(actor)
 
@@ -130,7 +143,7 @@ class Pipeline:
         # Invariant (guaranteed by the slots in `train`): the learner has published a version the batch may use.
         assert version >= min_version, f"weights v{version} published, batch needs v{min_version} or newer"
         if version > self.engine_version and ref is not None:
-            self.pool.load_weights(ref, version)
+            self.generators.load_weights(ref, version)  # engines that join later load these first
             self.engine_version = version
         return time.perf_counter() - t0
 
@@ -176,7 +189,8 @@ class Pipeline:
         if algo.name == "catpo":
             metrics.update(catpo_metrics(grown, weights))
         after = self._engine_counters()
-        fwd = after.get("forward_tokens", 0) - before.get("forward_tokens", 0)
+        fwd = sum(c.get("forward_tokens", 0) - before.get(e, {}).get("forward_tokens", 0) for e, c in after.items())
+        metrics.update(self.fault_metrics())
         unique = metrics.get("tree/unique_tokens", 0.0)
         trajectories = sum(len(t.trajectories) for t in grown)
         metrics.update({
@@ -192,16 +206,20 @@ class Pipeline:
                             [self.tree_record(t) for t in kept[:num_trees_logged]])
 
     def _engine_counters(self) -> dict:
-        total: dict = {}
-        for stats in self.pool.stats():
-            for k, v in stats.items():
-                if isinstance(v, (int, float)):
-                    total[k] = total.get(k, 0) + v
-        return total
+        """Counters per engine id (an engine that joins mid-batch counts from zero; one that dies is left out)."""
+        return {s["engine_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float))} for s in self.pool.stats()}
+
+    def fault_metrics(self) -> dict:
+        """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
+        events = self.generators.drain_events()
+        for _, kind, detail, _ in events:
+            if kind in ("engines_lost", "engines_joined", "chaos_kills"):
+                report(detail)  # the others were logged where they happened
+        return {"pool/size": float(self.generators.size), **event_metrics(events)}
 
     def tree_record(self, tree: Tree) -> dict:
         """A tree as a JSON-able dict with the decoded text of its prompt and of every segment."""
-        dec = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        dec = lambda ids: safe_decode(self.tokenizer, ids, skip_special_tokens=False)  # noqa: E731
         return {**tree.to_dict(), "prompt_text": dec(tree.prompt_ids), "texts": [dec(t) for t in tree.tokens]}
 
     # ------------------------------------------------------------------------------------------ evaluation
@@ -214,15 +232,11 @@ class Pipeline:
             return {}
         t0 = time.perf_counter()
         samples = 1 if temperature == 0 else samples
-        engines = self.pool.engines
         reqs = [SegmentRequest(f"eval-v{self.engine_version}/{i}", list(p["prompt_ids"]), max_new_tokens, samples,
                                SamplingParams(temperature=temperature, seed=1_000_003 * i))
                 for i, p in enumerate(problems)]
-        parts = ray.get([e.generate.remote(reqs[j::len(engines)]) for j, e in enumerate(engines)])
-        results = [None] * len(reqs)
-        for j, part in enumerate(parts):
-            results[j::len(engines)] = part
-        triples = [(p.get("data_source", ""), self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+        results = self.generators.generate_now(reqs)  # spread over the live engines, re-sent if one dies
+        triples = [(p.get("data_source", ""), safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
                     p["ground_truth"]) for p, r in zip(problems, results) for c in r.children]
         rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
         lengths = [len(c.token_ids) for r in results for c in r.children]

@@ -14,7 +14,7 @@ import sys
 import time
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
@@ -113,10 +113,11 @@ class VerifierFront:
     """Scoring with retries, in one small async actor in front of the verifier actors (so that callers get an
     ObjectRef, which an async scheduler awaits and a thread ray.get()s alike). It lives on the driver's node.
 
-    A call whose verifier dies, raises, or takes longer than `call_timeout_s` is retried on the next verifier, at
-    most `retries` times; after that its solutions score `failure_score` (the rewards layer's wrong score) and the
-    reason is logged and counted (fault/verifier_failures); NaN/inf scores become failures the same way
-    (fault/nonfinite_rewards). A timed-out verifier is killed and restarted in place: verifiers hold no state, so
+    A call whose verifier raises or takes longer than `call_timeout_s` is retried on the next verifier, at most
+    `retries` times; a verifier that dies under a call (or is restarting) does not use up a retry while the call's
+    overall deadline, call_timeout_s x (retries + 1), lasts. After that its solutions score `failure_score` (the
+    rewards layer's wrong score) and the reason is logged and counted (fault/verifier_failures); NaN/inf scores
+    become failures the same way (fault/nonfinite_rewards). A timed-out verifier is killed and restarted in place: verifiers hold no state, so
     Ray's in-place restart (max_restarts=-1) is the right tool for them; they run with max_task_retries=0 because
     the retry here goes to the next verifier instead of waiting for the restart.
     """
@@ -128,8 +129,10 @@ class VerifierFront:
 
     async def score(self, items: list[tuple[str, str, str]]) -> list[float]:
         """One reward per (data_source, solution, ground_truth), never NaN, never an exception."""
-        n, why = len(items), ""
-        for attempt in range(self.retries + 1):
+        n, why, failures = len(items), "", 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.call_timeout_s * (self.retries + 1)
+        while True:
             actor = self.verifiers[self._next % len(self.verifiers)]
             self._next += 1
             try:
@@ -138,13 +141,23 @@ class VerifierFront:
             except asyncio.TimeoutError:
                 why = f"timed out after {self.call_timeout_s:g}s"
                 ray.kill(actor, no_restart=False)  # hung: restart it, so later calls do not queue behind this one
-            except Exception as err:  # noqa: BLE001 - a lost verifier or a scoring error: retry, then fail the items
+            except ActorUnavailableError as err:
+                # Died under the call or restarting: Ray brings it back; try the next one without using up a retry
+                # (until the overall deadline), so that a restart of every verifier at once fails nothing.
+                why = f"verifier unavailable ({str(err).splitlines()[0] if str(err) else 'restarting'})"
+                self.registry.record.remote("verifier_retries", f"scoring {n} solutions: {why}; retrying")
+                if loop.time() < deadline:
+                    await asyncio.sleep(0.1)
+                    continue
+            except Exception as err:  # noqa: BLE001 - a dead verifier or a scoring error: retry, then fail the items
                 why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             else:
                 return self._sanitized(scores, n)
-            if attempt < self.retries:
-                self.registry.record.remote("verifier_retries", f"scoring {n} solutions: {why}; retrying")
-        msg = f"{n} solutions scored as failures after {self.retries + 1} attempts: {why}"
+            failures += 1
+            if failures > self.retries:
+                break
+            self.registry.record.remote("verifier_retries", f"scoring {n} solutions: {why}; retrying")
+        msg = f"{n} solutions scored as failures after {failures} failed attempts: {why}"
         report(msg)
         self.registry.record.remote("verifier_failures", msg, n)
         return [self.failure_score] * n

@@ -78,6 +78,7 @@ def run(cfg: TrainConfig) -> dict:
     from tqdm import tqdm
 
     from treepo_ray.learner import checkpoint_dir, prune_checkpoints
+    from treepo_ray.runtime.faults import save_checkpoint_or_report, train_with_restarts
     from treepo_ray.runtime.logs import RunLogger
     from treepo_ray.runtime.pipeline import Pipeline, PromptStream
 
@@ -118,13 +119,27 @@ def run(cfg: TrainConfig) -> dict:
     pipe.eval_set, pipe.eval_args = test_set, eval_args
     elapsed0, loop_start = state["elapsed_s"], time.time()
 
+    faults: dict[str, float] = {}  # fault/* totals of this invocation (not rewound by a learner restart)
+
     def save(step: int, data_position: int) -> None:
         state.update(step=step, data_position=data_position, elapsed_s=elapsed0 + time.time() - loop_start)
-        pipe.learner.save_checkpoint(str(checkpoint_dir(run_dir, step)), dict(state, seed=tr.seed))
+        error = save_checkpoint_or_report(pipe.learner, checkpoint_dir(run_dir, step), dict(state, seed=tr.seed))
+        if error:  # e.g. a full disk: the previous checkpoint is intact, training goes on (counted in fault/*)
+            pipe.generators.registry.record.remote("checkpoint_errors", error)
+            return
         prune_checkpoints(run_dir, tr.keep_checkpoints)
+
+    def on_restart(restored: dict, error: BaseException, redone: int) -> None:
+        state.update(restored)  # trajectories and data position as of the checkpoint the learner restarts from
+        faults["fault/steps_redone"] = faults.get("fault/steps_redone", 0.0) + redone
+        bar.n = int(restored["step"])
+        bar.refresh()
 
     def on_step(batch, metrics: dict) -> bool:
         step = batch.step + 1
+        for key, value in metrics.items():
+            if key.startswith("fault/"):
+                faults[key] = faults.get(key, 0.0) + value
         state["trajectories"] += int(metrics.get("rollout/trajectories", 0))
         line = logger.log(step, metrics)
         if cfg.log.trees_per_step:
@@ -139,19 +154,25 @@ def run(cfg: TrainConfig) -> dict:
         return True
 
     try:
-        done = pipe.train(start, end, stream, on_step, cfg.log.trees_per_step, eval_every=tr.eval_every)
+        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (faults.py).
+        done = train_with_restarts(pipe, start, end, stream, on_step, run_dir, on_restart,
+                                   trees_per_step=cfg.log.trees_per_step, eval_every=tr.eval_every)
     except BaseException:
         logger.close()  # W&B run and the curve of what was trained, then the error
         raise
     finally:
         bar.close()
+    for key, value in pipe.fault_metrics().items():  # events after the last step's metrics were taken
+        if key.startswith("fault/"):
+            faults[key] = faults.get(key, 0.0) + value
     loop_s = time.time() - loop_start
     completed = done >= tr.steps
     summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": str(run_dir),
                "max_staleness": cfg.runtime.max_staleness, "wall_time_s": time.time() - started,
                "train_time_s": elapsed0 + loop_s,
                "trajectories": state["trajectories"],
-               "eval_method": eval_method, "eval_problems": len(test_set)}
+               "eval_method": eval_method, "eval_problems": len(test_set),
+               "faults": faults, "pool_size": pipe.generators.size}
     summary["trajectories_per_s"] = state["trajectories"] / max(summary["train_time_s"], 1e-9)
     base = state["base_eval"].get("eval/accuracy")
     summary["base_accuracy"] = base
