@@ -65,4 +65,5 @@ def test_logger_writes_metrics_and_a_curve(tmp_path):
     again.log(2, {"rollout/reward": 9.0})
     again.close()
     assert read_metrics(tmp_path)[-1]["rollout/reward"] == 9.0
+    assert read_metrics(tmp_path)[-1]["eval/accuracy"] == 0.5  # merged with the step's earlier row
     assert len((tmp_path / "trees.jsonl").read_text().splitlines()) == 1

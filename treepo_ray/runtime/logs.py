@@ -106,7 +106,8 @@ class RunLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of `<run_dir>/metrics.jsonl`; a step logged twice (a resumed run) keeps its last row."""
+    """The rows of `<run_dir>/metrics.jsonl`, one per step: rows of the same step are merged, later values
+    winning (a step's training metrics and its evaluation; a step redone by a resumed run)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
@@ -114,7 +115,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[row["step"]] = row
+            rows.setdefault(row["step"], {}).update(row)
     return [rows[s] for s in sorted(rows)]
 
 
