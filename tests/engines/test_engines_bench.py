@@ -9,7 +9,7 @@ from treepo_ray.engines.bench import main
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--prompts", "2", "--width", "4",
         "--repeats", "1", "--no-progress"]
 MODE_KEYS = {"trajectories", "generated_tokens", "forward_tokens", "unique_tree_tokens", "wall_s", "traj_per_s",
-             "tok_per_s", "time_s"}
+             "tok_per_s", "forward_tok_per_s", "traj_tok_per_s", "time_s"}
 
 
 def test_bench_writes_both_modes_and_their_ratios(tmp_path, capsys):

@@ -9,15 +9,17 @@ without the repetition check; no random text holds a complete \\boxed{}.
 
 Defaults: 8 prompts x 16 paths x 256 tokens, depth 8 x segments of 32 (token bound ~1.36); `--sweep` runs the
 depth x segment configurations of the same budget (2x128, 4x64, 8x32, 16x16) and saves the TreePO paper's
-Figure 4/5-shaped plots. The built model is a random Qwen2 of hidden size 512, 4 layers, 8 query heads sharing one
-KV head (12M parameters): large enough that a decode step's time grows with its rows, not its fixed cost.
+Figure 4/5-shaped plots (TrajPS and TokenPS per configuration). The built model is a random Qwen2 of hidden size
+512, 4 layers, 8 query heads sharing one KV head (12M parameters): large enough that a decode step's time grows
+with its rows, not its fixed cost.
 Timing: one untimed warm-up, then `--repeats` runs of each mode in alternating order; the fastest run of each mode
 is kept, and every run's wall and CPU time is in the JSON. One torch thread by default: with other processes on
 the cores, OpenMP threads that wait for each other are much slower and far noisier.
 
 Reported per mode: trajectories, generated_tokens (every node's segment), forward_tokens (every position run
 through the model), unique_tree_tokens (prompt once + every node's segment once), wall_s, traj_per_s, tok_per_s
-(generated tokens / s) and a time breakdown (the engine's phases; `driver` is the rest: growers and requests).
+(generated tokens / s), forward_tok_per_s (the paper's TokenPS: model-processed tokens / s), traj_tok_per_s
+(trajectory response tokens / s) and a time breakdown (the engine's phases; `driver` is the rest: growers and requests).
 Ratios: token_bound = sequential forward_tokens / tree forward_tokens (the speedup a perfect engine would get),
 speedup = tree traj/s / sequential traj/s, speedup_over_bound, and the same speedup by CPU time. `decode_step_ms`
 times one decode forward at a few batch sizes and lengths: a step's fixed cost (which a tree's narrow first
@@ -129,6 +131,10 @@ def _mode_report(r: dict, cpu: float) -> dict:
         "cpu_s": cpu,
         "traj_per_s": r["trajectories"] / r["wall_s"],
         "tok_per_s": r["generated_tokens"] / r["wall_s"],
+        # The TreePO paper's TokenPS: every token the model processed (prefill and decode) per second.
+        "forward_tok_per_s": r["forward_tokens"] / r["wall_s"],
+        # Response tokens of all trajectories (shared segments counted once per trajectory) per second.
+        "traj_tok_per_s": r["trajectory_tokens"] / r["wall_s"],
         "forward_over_unique": r["forward_tokens"] / r["unique_tree_tokens"],
         "decode_steps": r["decode_steps"],
         "cache_hits": r.get("cache_hits", 0),
@@ -155,7 +161,13 @@ def run_pair(engines: dict, order: tuple[str, ...], prompts, args, depth: int, s
             cpu[m] += time.process_time() - start
             if not more:
                 active.remove(m)
-    return {m: _mode_report(loops[m].summary(), cpu[m]) for m in order}
+    out = {}
+    for m in order:
+        summary = loops[m].summary()
+        summary["trajectory_tokens"] = sum(len(g.tree.response_ids(n)) for g in loops[m].growers
+                                           for n in g.tree.trajectories)
+        out[m] = _mode_report(summary, cpu[m])
+    return out
 
 
 def run_config(engines: dict, prompts, args, depth: int, seg: int, decode, bar) -> dict:
@@ -217,7 +229,7 @@ def plot(results: list[dict], engine: str, out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [f"d{r['depth']}×l{r['segment_len']}" for r in results]
     paths = []
-    for key, title in (("traj_per_s", "trajectories / s"), ("tok_per_s", "generated tokens / s")):
+    for key, title in (("traj_per_s", "trajectories / s"), ("forward_tok_per_s", "model-processed tokens / s")):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for mode, marker in zip(MODES, "os"):
             ax.plot(labels, [r[mode][key] for r in results], marker=marker, label=mode)
@@ -284,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             if "decode_step_ms" in entry:
                 print("decode step ms:", {k: round(v, 1) for k, v in entry["decode_step_ms"].items()})
             if args.sweep:
-                plot_dir = Path(args.plot_dir) if args.plot_dir else (Path(args.json).parent if args.json else Path("."))
+                plot_dir = Path(args.plot_dir or (Path(args.json).parent if args.json else "."))
                 entry["plots"] = plot(results, name, plot_dir)
                 best = max(results, key=lambda r: r["ratios"]["speedup"])
                 entry["best"] = {"depth": best["depth"], "segment_len": best["segment_len"], **best["ratios"]}
