@@ -102,6 +102,21 @@ def test_seeds_make_children_independent_of_the_batch(model_dir):
     assert other.children[0].token_ids != r.children[0].token_ids
 
 
+def test_batch_limits_queue_requests_without_changing_them(model_dir):
+    reqs = [req(f"r{i}", PROMPT[i:], 6, n=2, params=SamplingParams(temperature=0.9, top_k=50, seed=i))
+            for i in range(4)]
+    wide = generate(HFEngine(model_dir, num_threads=1), reqs)
+    narrow_engine = HFEngine(model_dir, num_threads=1, max_batch_size=3, max_batch_tokens=40)
+    narrow_engine.add_requests(reqs)
+    narrow_engine.step()
+    assert narrow_engine.stats()["running"] == 2 and narrow_engine.stats()["pending"] == 3
+    done = {}
+    while narrow_engine.has_unfinished():
+        done.update({r.request_id: r for r in narrow_engine.step()})
+    assert [[c.token_ids for c in done[r.request_id].children] for r in reqs] == \
+        [[c.token_ids for c in w.children] for w in wide]
+
+
 def test_sample_inverse_cdf_with_top_k_and_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 6))
     temp = torch.ones(6)
@@ -185,6 +200,35 @@ def test_eos_ends_a_child_and_is_kept(model_dir, hf):
     assert seg.finish_reason == "eos" and seg.token_ids == ref[: ref.index(stop) + 1]
     (r,) = generate(engine, [req("b", PROMPT, 10, params=GREEDY, stop_at_eos=False)])
     assert r.children[0].finish_reason == "length" and r.children[0].token_ids == ref
+
+
+def test_children_ending_at_different_steps_keep_every_row_intact(model_dir, hf):
+    """EOS ends siblings at different steps: finished rows are compacted away while the others run on."""
+    probe = HFEngine(model_dir, num_threads=1)
+    (r,) = generate(probe, [req("p", PROMPT, 12, n=6, stop_at_eos=False)])
+    counts: dict[int, int] = {}
+    for c in r.children:
+        for t in c.token_ids:
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=counts.get)  # a token the model samples often: an EOS that ends children early
+    engine = HFEngine(model_dir, num_threads=1, eos_token_id=stop)
+    (a,) = generate(engine, [req("a", PROMPT, 12, n=6)])
+    lengths = sorted(len(c.token_ids) for c in a.children)
+    assert lengths[0] < 12 and len(set(lengths)) > 1
+    for c in a.children:
+        assert c.finish_reason == ("eos" if c.token_ids[-1] == stop else "length")
+        assert_logprobs_match(hf, PROMPT, c.token_ids, c.logprobs)
+    # Continue every child (and one-token children of them) from its key, all in one batch.
+    reqs = [req(f"c{j}", PROMPT + c.token_ids, 4, n=2, key=c.cache_key, stop_at_eos=False)
+            for j, c in enumerate(a.children)]
+    for (rq, cont) in zip(reqs, generate(engine, reqs)):
+        for c in cont.children:
+            assert_logprobs_match(hf, rq.prefix_ids, c.token_ids, c.logprobs)
+    assert engine.stats()["recomputed_tokens"] == 0
+    one = generate(engine, [req("o", PROMPT, 1, n=3, stop_at_eos=False)])[0].children
+    (deeper,) = generate(engine, [req("d", PROMPT + one[1].token_ids, 3, key=one[1].cache_key,
+                                      stop_at_eos=False)])
+    assert_logprobs_match(hf, PROMPT + one[1].token_ids, deeper.children[0].token_ids, deeper.children[0].logprobs)
 
 
 def test_padded_embedding_rows_are_never_sampled(tmp_path_factory):
