@@ -432,6 +432,10 @@ class HFEngine:
     # ------------------------------------------------------------------------------------------------ protocol
 
     def add_requests(self, requests: list[SegmentRequest]) -> None:
+        """Queue requests (checked first, all or none); they join the running batch at the next step."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids repeat within one add_requests call: {sorted(ids)[:5]}...")
         for r in requests:
             self._check(r)
         for r in requests:
