@@ -33,6 +33,17 @@ def test_default_is_the_cpu_treepo_run_and_overrides_win():
     assert load_config(DEFAULT_CONFIG).algo.name == "treepo"
 
 
+def test_each_algorithm_brings_its_loss_unless_set_explicitly():
+    grpo = load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).learner.loss
+    assert (grpo.aggregation, grpo.clip_high, grpo.kl_coef) == ("seq-mean", 0.2, 0.001)
+    treepo = load_config(DEFAULT_CONFIG).learner.loss
+    assert (treepo.aggregation, treepo.clip_low, treepo.clip_high, treepo.kl_coef) == ("token-mean", 0.2, 0.28, 0.0)
+    mine = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "learner.loss.kl_coef=0"]).learner.loss
+    assert mine.kl_coef == 0.0 and mine.aggregation == "seq-mean"
+    plain = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "algo.loss_preset=false"]).learner.loss
+    assert plain.aggregation == "token-mean" and plain.kl_coef == 0.0
+
+
 def test_bad_keys_and_values_name_the_file_or_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  treepo:\n    widht: 4\n")

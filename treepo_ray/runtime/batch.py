@@ -17,6 +17,18 @@ from treepo_ray.learner.batch import TrainSample
 from treepo_ray.runtime.catpo import CatpoConfig
 from treepo_ray.tree.tree import FINISH_REASONS, Tree
 
+# Each algorithm's own policy loss (its paper's setting), applied under anything a YAML file or the command line
+# sets in learner.loss (see runtime.config.load_config). GRPO: Shao et al. 2024 (PPO clip, per-sequence mean,
+# KL to the reference); DAPO: Yu et al. 2025 (clip-higher, token-level mean, no KL), which TreePO adopts;
+# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B).
+_PPO_KL = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"}
+_DAPO = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0}
+LOSS_PRESETS = {
+    "grpo": {**_PPO_KL, "aggregation": "seq-mean"},
+    "dapo": _DAPO, "treepo": _DAPO, "treepo_flat": _DAPO,
+    "treerpo": _PPO_KL, "catpo": _PPO_KL,
+}
+
 ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 # Which grower config an algorithm samples with.
 SAMPLER_OF = {"grpo": "sequential", "dapo": "sequential", "treepo": "treepo", "treepo_flat": "treepo",
@@ -44,6 +56,9 @@ class AlgoConfig:
     """GRPO/DAPO/treepo_flat: divide by the group's std (False = only subtract the mean, Dr. GRPO style)."""
     treerpo_prune_range: float = 0.1
     """TreeRPO: a sibling group takes part only if its reward range reaches this (tau_prune)."""
+    loss_preset: bool = True
+    """Start learner.loss from the algorithm's own loss (LOSS_PRESETS); keys set in learner.loss by a YAML file or
+    the command line still win. False = learner.loss's plain defaults."""
     correct_threshold: float = 1.0
     """A trajectory counts as correct (accuracy metrics) when its reward is at least this."""
     catpo: CatpoConfig = field(default_factory=CatpoConfig)

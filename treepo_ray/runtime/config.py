@@ -17,7 +17,7 @@ import yaml
 from treepo_ray import config as config_io
 from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.learner.config import LearnerConfig
-from treepo_ray.runtime.batch import AlgoConfig
+from treepo_ray.runtime.batch import LOSS_PRESETS, AlgoConfig
 from treepo_ray.runtime.fault_config import ChaosConfig, ElasticConfig, FaultConfig
 from treepo_ray.runtime.logs import LogConfig
 from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
@@ -222,4 +222,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             config_io.load(TrainConfig, None, file_args)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
-    return config_io.load(TrainConfig, None, file_args + list(overrides or []))
+    args = file_args + list(overrides or [])
+    cfg = config_io.load(TrainConfig, None, args)
+    if not cfg.algo.loss_preset:
+        return cfg
+    # The algorithm's own loss goes under everything given explicitly (first, so later arguments win).
+    preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+    return config_io.load(TrainConfig, None, preset + args)
