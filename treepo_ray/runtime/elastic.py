@@ -121,10 +121,11 @@ class ElasticGeneratorPool:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no live engine for {self.engine_wait_s:.0f}s (runtime.faults.engine_wait_s)")
 
-    def _resent(self, eid: str, err: BaseException, query_id: str, what: str) -> None:
+    def _resent(self, eid: str, err: BaseException, query_id: str, method: str, args: tuple) -> None:
         self._lost(eid)
+        n = len(args[0]) if method == "generate" else 1  # count requests, not calls
         self.registry.record.remote("resent_requests", f"engine {eid[:8]} lost mid-call ({type(err).__name__}): "
-                                    f"{what} of {query_id} sent again", 1)
+                                    f"{n} {method} requests of {query_id} sent again", n)
 
     def _gave_up(self, query_id: str) -> RuntimeError:
         return RuntimeError(f"{query_id}: sent {self.max_resends + 1} times and every engine died under it "
@@ -151,7 +152,7 @@ class ElasticGeneratorPool:
             except RayActorError as err:
                 if not actor_lost(err):
                     raise
-                self._resent(eid, err, query_id, method)
+                self._resent(eid, err, query_id, method, args)
         raise self._gave_up(query_id)
 
     def call_sync(self, query_id: str, method: str, *args):
@@ -170,7 +171,7 @@ class ElasticGeneratorPool:
             except RayActorError as err:
                 if not actor_lost(err):
                     raise
-                self._resent(eid, err, query_id, method)
+                self._resent(eid, err, query_id, method, args)
         raise self._gave_up(query_id)
 
     def _lost(self, eid: str) -> None:
@@ -332,9 +333,12 @@ class PoolManager:
                 ray.get(ref)
                 if weights is not None:  # the pool runs trained weights: the newcomer loads them first
                     ray.get(actor.load_weights.remote(weights, version))
-            except RayActorError as err:  # died while starting (its node went away): nothing joined
+            except RayActorError as err:
+                if not actor_lost(err):  # the weights are what failed (their learner died): try again next round
+                    self._pending[eid] = (actor, actor.stats.remote())
+                    continue
                 self._event("engines_lost", f"engine {eid[:8]} died while starting: {type(err).__name__}")
-                ray.kill(actor)
+                ray.kill(actor)  # died while starting (its node went away): nothing joined
                 continue
             self._live[eid] = actor
             self.joined += 1
@@ -373,9 +377,10 @@ class PoolManager:
         # Floor: every lost engine is asked for again at once; if there is no room it waits as a pending actor.
         while len(self._live) + len(self._pending) < self.num_engines:
             self._spawn()
-        # Growth: one engine at a time, only where Ray reports room and nothing is still pending.
-        if (self._growth.is_set() and not self._pending and len(self._live) < self.max_engines
-                and self.spec.fits(ray.available_resources())):
+        # Growth: one engine at a time, once the run's other actors are placed (start()), only where Ray reports
+        # room, and only while nothing is still pending.
+        if (self._thread is not None and self._growth.is_set() and not self._pending
+                and len(self._live) < self.max_engines and self.spec.fits(ray.available_resources())):
             self._spawn()
 
     # -------------------------------------------------------------------------------- the thread
