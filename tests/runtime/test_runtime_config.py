@@ -33,13 +33,16 @@ def test_default_is_the_cpu_treepo_run_and_overrides_win():
     assert load_config(DEFAULT_CONFIG).algo.name == "treepo"
 
 
-def test_each_algorithm_brings_its_loss_unless_set_explicitly():
+def test_each_algorithm_brings_its_loss_and_sampling_protocol_unless_set_explicitly():
     grpo = load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).learner.loss
     assert (grpo.aggregation, grpo.clip_high, grpo.kl_coef) == ("seq-mean", 0.2, 0.001)
     treepo = load_config(DEFAULT_CONFIG).learner.loss
     assert (treepo.aggregation, treepo.clip_low, treepo.clip_high, treepo.kl_coef) == ("token-mean", 0.2, 0.28, 0.0)
     mine = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "learner.loss.kl_coef=0"]).learner.loss
     assert mine.kl_coef == 0.0 and mine.aggregation == "seq-mean"
+    assert load_config(DEFAULT_CONFIG).algo.filters_groups  # TreePO trains with DAPO's dynamic sampling
+    assert not load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).algo.filters_groups
+    assert not load_config(DEFAULT_CONFIG, ["algo.dynamic_sampling=false"]).algo.filters_groups
     plain = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "algo.loss_preset=false"]).learner.loss
     assert plain.aggregation == "token-mean" and plain.kl_coef == 0.0
 

@@ -38,6 +38,7 @@ def small(tiny, *extra):
     return ["model.path=" + tiny, f"model.cache_dir={CACHE}", "trainer.eval_size=8",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
+            "algo.dynamic_sampling=false",
             "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.trees_per_step=1", "log.wandb=false", *extra]
 
 

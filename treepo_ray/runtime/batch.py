@@ -29,6 +29,8 @@ LOSS_PRESETS = {
     "treerpo": _PPO_KL, "catpo": _PPO_KL,
 }
 
+DYNAMIC_SAMPLING_BY_DEFAULT = ("dapo", "treepo", "treepo_flat")
+
 ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 # Which grower config an algorithm samples with.
 SAMPLER_OF = {"grpo": "sequential", "dapo": "sequential", "treepo": "treepo", "treepo_flat": "treepo",
@@ -42,8 +44,10 @@ class AlgoConfig:
     name: str = "treepo"
     """grpo | dapo | treepo | treepo_flat (tree sampling, flat GRPO advantage) | treerpo | catpo (TreeRPO trees,
     scored, healed and weighted: runtime/catpo.py)."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop prompts whose trajectories all got the same reward, refill from new prompts."""
+    dynamic_sampling: bool | None = None
+    """DAPO dynamic sampling: drop prompts whose trajectories all got the same reward, refill from new prompts.
+    None = the algorithm's own: on for dapo, treepo and treepo_flat (TreePO trains with DAPO's protocol; a group
+    without signal would only shift the batch whitening), off for grpo and treerpo."""
     oversample: float = 1.0
     """With dynamic sampling: prompts grown per round as a multiple of trainer.prompts_per_step (DAPO/TreePO: 3)."""
     max_extra_rounds: int = 2
@@ -75,6 +79,13 @@ class AlgoConfig:
     @property
     def sampler(self) -> str:
         return SAMPLER_OF[self.name]
+
+    @property
+    def filters_groups(self) -> bool:
+        """Whether DAPO dynamic sampling is on (dynamic_sampling, or the algorithm's default when None)."""
+        if self.dynamic_sampling is None:
+            return self.name in DYNAMIC_SAMPLING_BY_DEFAULT
+        return self.dynamic_sampling
 
 
 def trajectory_rewards(tree: Tree) -> np.ndarray:

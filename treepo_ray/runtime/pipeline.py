@@ -167,12 +167,12 @@ class Pipeline:
         before = self._engine_counters()
         grown: list[Tree] = []
         kept: list[Tree] = []
-        for rnd in range(1 + (algo.max_extra_rounds if algo.dynamic_sampling else 0)):
+        for rnd in range(1 + (algo.max_extra_rounds if algo.filters_groups else 0)):
             missing = need - len(kept)
-            n = math.ceil(missing * algo.oversample) if algo.dynamic_sampling else missing
+            n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
             trees = self.grow(stream.take(n))
             grown += trees
-            kept += [t for t in trees if keep_tree(t)] if algo.dynamic_sampling else trees
+            kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
             if len(kept) >= need:
                 break
         if len(kept) > need:  # DAPO keeps a random subset of the over-sampled groups
