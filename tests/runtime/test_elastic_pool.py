@@ -50,7 +50,7 @@ def test_pool_grows_on_a_new_node_and_shrinks_when_the_node_goes(cluster, tiny):
         "model.path=" + tiny, f"model.cache_dir={CACHE}", "rollout.treepo.width=4", "rollout.treepo.max_depth=2",
         "rollout.treepo.segment_len=8", "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false",
         "runtime.num_engines=1", "runtime.engine_cpus=0", "runtime.engine_resources={generator: 1}",
-        "runtime.elastic.max_engines=2", "runtime.elastic.poll_s=0.2"])
+        "runtime.elastic.max_engines=2", "runtime.elastic.poll_s=0.2", "algo.dynamic_sampling=false"])
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     records, _ = load_task(cfg, tokenizer)
     pipe = Pipeline(cfg, tiny, tokenizer)

@@ -20,7 +20,7 @@ from treepo_ray.learner import LearnerConfig, TrainSample, checkpoint_dir, list_
 from treepo_ray.runtime.actors import LearnerGroup
 from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig
 from treepo_ray.runtime.fault_config import FaultConfig
-from treepo_ray.runtime.faults import ResilientVerifierPool, kill_actor, save_checkpoint_or_report
+from treepo_ray.runtime.faults import LearnerWatch, ResilientVerifierPool, kill_actor, save_checkpoint_or_report
 from treepo_ray.runtime.pipeline import Pipeline, PromptStream
 from treepo_ray.runtime.registry import RuntimeRegistry, VerifierFront
 from treepo_ray.runtime.train import load_task, main as train_main
@@ -47,7 +47,7 @@ def small(tiny, *extra):
     return ["model.path=" + tiny, f"model.cache_dir={CACHE}", "trainer.eval_size=4",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false", "runtime.num_engines=2",
-            "runtime.engine_cpus=0.5", "runtime.elastic.poll_s=0.2", *extra]
+            "runtime.engine_cpus=0.5", "runtime.elastic.poll_s=0.2", "algo.dynamic_sampling=false", *extra]
 
 
 def kill_a_busy_engine(pipe, how: str) -> bool:
@@ -238,3 +238,34 @@ def test_checkpoint_on_a_full_disk_keeps_the_previous_one_and_nan_steps_are_skip
         for r in group.ranks:
             ray.kill(r)
         os.sync()
+
+
+def test_a_lost_rank_takes_its_learner_group_down_instead_of_hanging(ray_local, tiny):
+    registry = RuntimeRegistry.remote()
+    group = LearnerGroup(tiny, LearnerConfig(lr=1e-3, micro_batch_size=2), world_size=2, num_cpus=0)
+    watch = LearnerWatch(lambda: group, registry, poll_s=0.2).start()
+    samples = [TrainSample([5, 6, 7], [8 + i, 9, 10], advantages=1.0 if i % 2 else -1.0) for i in range(4)]
+    try:
+        assert ray.get(group.train_step(ray.put(samples)))["version"] == 1  # a healthy, busy group is left alone
+        assert watch.takedowns == 0
+        pid1, _ = ray.get(group.ranks[1].__ray_call__.remote(lambda _: (os.getpid(), None)))
+        step = group.train_step(ray.put(samples))
+        os.kill(pid1, 9)  # rank 1 dies in the step
+        # Rank 0's step fails: gloo notices the dead peer itself (a RuntimeError), and where a backend would wait
+        # (NCCL, until its timeout) the watch kills rank 0 (a RayActorError). Either way the driver is not stuck,
+        # and the whole group goes, so that nothing half-alive is reused.
+        start = time.monotonic()
+        with pytest.raises((ray.exceptions.RayActorError, RuntimeError)):
+            ray.get(step, timeout=60)
+        assert time.monotonic() - start < 30
+        deadline = time.monotonic() + 10
+        while watch.takedowns == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert watch.takedowns == 1
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(group.ranks[0].__ray_call__.remote(lambda _: 1), timeout=30)
+        assert [k for _, k, _, _ in ray.get(registry.drain.remote())] == ["learner_takedowns"]
+    finally:
+        watch.stop()
+        for actor in group.ranks + [registry]:
+            ray.kill(actor)

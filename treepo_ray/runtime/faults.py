@@ -6,6 +6,7 @@ checkpoint write errors, and a chaos option that kills engines on purpose.
     learner_lost / restore_learner / train_with_restarts
                             the driver's answer to a lost learner: rebuild it, load the newest checkpoint, rewind the
                             prompt stream to the checkpoint's data position, and go on (a bounded number of times)
+    LearnerWatch            one lost rank takes its whole group down (its peers would hang in a collective)
     save_checkpoint_or_report
                             a failed checkpoint write (full disk) is logged and training goes on
     ChaosMonkey             kills one engine every N seconds (runtime.chaos), by ray.kill or SIGKILL
@@ -106,6 +107,58 @@ def learner_lost(group, timeout_s: float = 30.0) -> bool:
     return False
 
 
+class LearnerWatch:
+    """Takes the whole learner group down when one of its ranks dies. The other ranks would wait in a collective
+    for the dead one for the process group's timeout (many minutes) while the driver waits on rank 0; with every rank
+    killed, the driver's call fails at once and train_with_restarts rebuilds the group. A thread pings each rank
+    (a ping queues behind a running step, so a busy rank is not mistaken for a dead one)."""
+
+    def __init__(self, get_group, registry, poll_s: float = 1.0):
+        self.get_group, self.registry, self.poll_s = get_group, registry, poll_s
+        self.takedowns = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="learner-watch", daemon=True)
+
+    def start(self) -> "LearnerWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        pings: dict[int, object] = {}
+        taken_down = None
+        while not self._stop.wait(self.poll_s):
+            group = self.get_group()
+            if len(group.ranks) < 2 or group is taken_down:
+                continue  # one rank: its own call fails when it dies
+            try:
+                for i, rank in enumerate(group.ranks):
+                    pings.setdefault(i, ping(rank))
+                done, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+                dead = []
+                for i, ref in list(pings.items()):
+                    if ref in done:
+                        del pings[i]
+                        try:
+                            ray.get(ref)
+                        except RayActorError as err:
+                            if actor_lost(err):
+                                dead.append(i)
+                if dead:
+                    for rank in group.ranks:
+                        ray.kill(rank)
+                    taken_down, pings = group, {}
+                    self.takedowns += 1
+                    msg = f"learner rank(s) {dead} lost: the group of {len(group.ranks)} ranks is taken down"
+                    report(msg)
+                    self.registry.record.remote("learner_takedowns", msg)
+            except Exception as err:  # noqa: BLE001 - a monitoring hiccup must not end the run
+                report(f"learner watch: {type(err).__name__}: {err}")
+
+
 def restore_learner(pipe, run_dir: str | Path | None) -> dict:
     """Replace a lost learner group: kill what is left of it, build a new one, load the newest complete checkpoint of
     `run_dir` (the base weights when there is none), and bring the engines to exactly those weights. Returns the
@@ -141,6 +194,7 @@ def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: st
     Runs runtime.chaos (engine kills, one learner kill) while training. Returns the number of steps completed."""
     faults, chaos_cfg = pipe.cfg.runtime.faults, pipe.cfg.runtime.chaos
     chaos = ChaosMonkey(pipe.generators, chaos_cfg).start() if chaos_cfg.kill_generator_every > 0 else None
+    watch = LearnerWatch(lambda: pipe.learner, pipe.generators.registry).start()
     restarts, reached, learner_killed = 0, [start], [False]
 
     def counting(batch, metrics) -> bool:
@@ -174,6 +228,7 @@ def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: st
                 # The same prompts in the same order as before the loss, from the checkpoint's position on.
                 stream = type(stream)(stream.records, stream.seed, stream.shuffle, position=int(state["data_position"]))
     finally:
+        watch.stop()
         if chaos is not None:
             chaos.stop()
 
