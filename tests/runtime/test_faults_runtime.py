@@ -19,6 +19,7 @@ from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.learner import LearnerConfig, TrainSample, checkpoint_dir, list_checkpoints, prune_checkpoints
 from treepo_ray.runtime.actors import LearnerGroup
 from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig
+from treepo_ray.runtime.elastic import EngineSpec, PoolManager
 from treepo_ray.runtime.fault_config import FaultConfig
 from treepo_ray.runtime.faults import LearnerWatch, ResilientVerifierPool, kill_actor, save_checkpoint_or_report
 from treepo_ray.runtime.pipeline import Pipeline, PromptStream
@@ -269,3 +270,12 @@ def test_a_lost_rank_takes_its_learner_group_down_instead_of_hanging(ray_local, 
         watch.stop()
         for actor in group.ranks + [registry]:
             ray.kill(actor)
+
+
+def test_an_engine_that_cannot_start_fails_the_run_at_once(ray_local, tmp_path):
+    # A bad engine config is not a lost node: no endless replacements, the engine's own error instead.
+    spec = EngineSpec("hf", str(tmp_path / "no-model-here"), num_cpus=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)could not start.*no-model-here' is not a directory"):
+        PoolManager(spec, num_engines=1, startup_timeout_s=120)
+    assert time.monotonic() - start < 60

@@ -63,11 +63,13 @@ def run_once(cfg: TrainConfig, model_path: str, tokenizer, records: list[dict], 
 
 
 def compare(clean: dict, chaos: dict) -> dict:
-    same = lambda key: [r[key] for r in clean["rows"]] == [r[key] for r in chaos["rows"]]  # noqa: E731
+    """Whether the two runs produced the same thing, step by step."""
+    column = lambda run, key: [row[key] for row in run["rows"]]  # noqa: E731
+    same = lambda key: column(clean, key) == column(chaos, key)  # noqa: E731
     return {"same_trees": same("trees"), "same_rewards": same("rewards"), "same_losses": same("loss"),
             "same_steps": same("step") and clean["steps"] == chaos["steps"],
             "same_trajectories": clean["trajectories"] == chaos["trajectories"],
-            "versions": {"clean": [r["version"] for r in clean["rows"]], "chaos": [r["version"] for r in chaos["rows"]]}}
+            "versions": {"clean": column(clean, "version"), "chaos": column(chaos, "version")}}
 
 
 def run(cfg: TrainConfig, steps: int, every: float) -> dict:
@@ -104,7 +106,8 @@ def run(cfg: TrainConfig, steps: int, every: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m treepo_ray.runtime.bench_chaos", description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: jobs/configs/cpu.yaml)")
+    ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG),
+                    help="YAML config (default: jobs/configs/cpu.yaml)")
     ap.add_argument("--steps", type=int, default=40, help="training steps of each run (cpu.yaml: the whole run)")
     ap.add_argument("--every", type=float, default=3.0, help="seconds between two engine kills in the chaos run")
     ap.add_argument("--json", default=None, help="write the result here as JSON")

@@ -285,6 +285,7 @@ class PoolManager:
         self._growth.set()
         self._thread: threading.Thread | None = None
         self.joined = self.lost = 0
+        self.init_failures = 0  # engines in a row whose constructor raised (3: replacements stop)
         for _ in range(num_engines):
             self._spawn()
         self._await_first(startup_timeout_s)
@@ -337,9 +338,18 @@ class PoolManager:
                 if not actor_lost(err):  # the weights are what failed (their learner died): try again next round
                     self._pending[eid] = (actor, actor.stats.remote())
                     continue
-                self._event("engines_lost", f"engine {eid[:8]} died while starting: {type(err).__name__}")
-                ray.kill(actor)  # died while starting (its node went away): nothing joined
+                ray.kill(actor)
+                if getattr(err, "actor_init_failed", False):  # its constructor raised: the config, not the cluster
+                    self.init_failures += 1
+                    if self._thread is None:  # at start: fail the run with the engine's own error
+                        raise RuntimeError(f"an engine actor could not start: {err}") from None
+                    report(f"engine {eid[:8]} could not start ({self.init_failures} in a row"
+                           + ("; no more replacements" if self.init_failures >= 3 else "") + f"): {err}")
+                    continue
+                self._event("engines_lost", f"engine {eid[:8]} died while starting: {type(err).__name__}"
+                            + (" (node preempted)" if getattr(err, "preempted", False) else ""))
                 continue
+            self.init_failures = 0
             self._live[eid] = actor
             self.joined += 1
             changed = True
@@ -363,7 +373,8 @@ class PoolManager:
             except RayActorError as err:
                 dead.append((eid, err))
         for eid, err in dead:
-            self._drop(eid, f"engine {eid[:8]} lost: {type(err).__name__}")
+            self._drop(eid, f"engine {eid[:8]} lost: {type(err).__name__}"
+                       + (" (node preempted)" if getattr(err, "preempted", False) else ""))
         if dead:
             self._publish()
 
@@ -374,6 +385,8 @@ class PoolManager:
             self._event("engines_lost", why)
 
     def _request_more(self) -> None:
+        if self.init_failures >= 3:
+            return  # engines fail in their constructor: more of them would fail the same way
         # Floor: every lost engine is asked for again at once; if there is no room it waits as a pending actor.
         while len(self._live) + len(self._pending) < self.num_engines:
             self._spawn()

@@ -81,7 +81,8 @@ class ResilientVerifierPool:
         verifiers = [VerifierActor.options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0).remote(timeout_s)
                      for _ in range(num_verifiers)]
         front = VerifierFront.options(scheduling_strategy=on_this_node()).remote(
-            verifiers, registry, faults.verifier_retries, faults.verifier_call_timeout_s, MathVerifyConfig().wrong_score)
+            verifiers, registry, faults.verifier_retries, faults.verifier_call_timeout_s,
+            MathVerifyConfig().wrong_score)
         return cls(verifiers, front)
 
     def score(self, items: list[tuple[str, str, str]]):

@@ -117,9 +117,9 @@ class VerifierFront:
     `retries` times; a verifier that dies under a call (or is restarting) does not use up a retry while the call's
     overall deadline, call_timeout_s x (retries + 1), lasts. After that its solutions score `failure_score` (the
     rewards layer's wrong score) and the reason is logged and counted (fault/verifier_failures); NaN/inf scores
-    become failures the same way (fault/nonfinite_rewards). A timed-out verifier is killed and restarted in place: verifiers hold no state, so
-    Ray's in-place restart (max_restarts=-1) is the right tool for them; they run with max_task_retries=0 because
-    the retry here goes to the next verifier instead of waiting for the restart.
+    become failures the same way (fault/nonfinite_rewards). A timed-out verifier is killed and restarted in place:
+    verifiers hold no state, so Ray's in-place restart (max_restarts=-1) is the right tool for them; they run with
+    max_task_retries=0 because the retry here goes to the next verifier instead of waiting for the restart.
     """
 
     def __init__(self, verifiers: list, registry, retries: int, call_timeout_s: float, failure_score: float):
