@@ -2,7 +2,9 @@
 
 With no arguments it runs jobs/configs/cpu.yaml: local Ray on this machine's CPUs, the tiny base model and the
 synthetic task, TreePO; `algo.name=grpo` runs the baseline the same way. It evaluates the base model and the final
-policy on held-out problems (greedy decoding, one answer each), and writes `<run_dir>/summary.json`.
+policy on held-out problems (pass@1: the mean accuracy of trainer.eval_samples answers per problem sampled at
+trainer.eval_temperature, 4 at 1.0 by default; eval_temperature=0 decodes greedily), and writes
+`<run_dir>/summary.json`.
 """
 
 from __future__ import annotations
