@@ -90,8 +90,8 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
         assert pipe.train(0, 3, PromptStream(records, 0), lambda b, m: clean.append((b, m)) or True, 4) == 3
         assert pipe.train(3, 6, PromptStream(records, 0), on_faulty_step, 4) == 6
         deadline = time.monotonic() + 60
-        while pipe.generators.size < 2 and time.monotonic() < deadline:  # both replacements joined
-            time.sleep(0.2)
+        while (pipe.generators.lost, pipe.generators.size) != (2, 2) and time.monotonic() < deadline:
+            time.sleep(0.2)  # both losses noticed, both replacements joined
         assert pipe.generators.size == 2 and pipe.generators.lost == 2 and pipe.generators.joined == 4
         tail = pipe.fault_metrics()
     finally:

@@ -107,7 +107,8 @@ class ElasticGeneratorPool:
             self._checked = now
             got = await self.registry.engines_since.remote(self._epoch)
             if got is not None:
-                self.set_engines(*got)
+                epoch, (members,) = got
+                self.set_engines(epoch, await members)
 
     def _refresh_sync(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -115,7 +116,8 @@ class ElasticGeneratorPool:
             self._checked = now
             got = ray.get(self.registry.engines_since.remote(self._epoch))
             if got is not None:
-                self.set_engines(*got)
+                epoch, (members,) = got
+                self.set_engines(epoch, ray.get(members))
 
     def _no_engine(self, deadline: float) -> None:
         if time.monotonic() > deadline:
@@ -308,7 +310,7 @@ class PoolManager:
     def _publish(self) -> None:
         self._epoch += 1
         self.pool.set_engines(self._epoch, self._live)
-        self.registry.set_engines.remote(self._epoch, dict(self._live))
+        self.registry.set_engines.remote(self._epoch, [ray.put(dict(self._live))])
 
     def _event(self, kind: str, detail: str, count: int = 1) -> None:
         self.registry.record.remote(kind, detail, count)

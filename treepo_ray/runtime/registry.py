@@ -50,16 +50,18 @@ class RuntimeRegistry:
     """The run's membership list and fault journal. Small, stateless about trees, called rarely."""
 
     def __init__(self):
-        self._epoch, self._engines = 0, {}
+        self._epoch, self._members = 0, []
         self._events: list[tuple[float, str, str, int]] = []
 
-    def set_engines(self, epoch: int, engines: dict) -> None:
+    # The member list travels as [ObjectRef of {id: engine actor}]: a ref nested in a list is passed on as a ref, so
+    # this process never deserialises engine handles (which would import the engine's module, torch and all).
+    def set_engines(self, epoch: int, members: list) -> None:
         if epoch > self._epoch:  # calls from the one driver arrive in order; the guard keeps it so
-            self._epoch, self._engines = epoch, dict(engines)
+            self._epoch, self._members = epoch, list(members)
 
     def engines_since(self, epoch: int):
-        """(epoch, {id: engine}) if the members changed after `epoch`, else None."""
-        return None if epoch >= self._epoch else (self._epoch, self._engines)
+        """(epoch, [ObjectRef of {id: engine}]) if the members changed after `epoch`, else None."""
+        return None if epoch >= self._epoch else (self._epoch, self._members)
 
     def record(self, kind: str, detail: str = "", count: int = 1) -> None:
         self._events.append((time.time(), kind, detail, int(count)))
