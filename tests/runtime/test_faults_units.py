@@ -11,7 +11,7 @@ from treepo_ray.engines.hf import HFEngine
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model, build_tokenizer
 from treepo_ray.runtime.elastic import ElasticGeneratorPool, EngineSpec
 from treepo_ray.runtime.fault_config import ChaosConfig, ElasticConfig, FaultConfig
-from treepo_ray.runtime.faults import safe_decode
+from treepo_ray.engines.decode import safe_decode
 from treepo_ray.runtime.registry import event_metrics, sanitize_scores
 
 

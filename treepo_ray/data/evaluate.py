@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treepo_ray.data.metrics import major_at_k, mean_accuracy, pass_at_k, summarize
+from treepo_ray.engines.decode import safe_decode
 
 SAMPLERS = ("sequential", "treepo")
 
@@ -74,7 +75,7 @@ def sample_answers(records: list[dict], engine, tokenizer, s: SampleSettings,
                            branch_factor=d, max_response_len=s.max_new_tokens, repetition_substr_len=0)
         make = lambda tree, seed: TreePOGrower(tree, cfg, eos_token_id=eos, decode=decode, seed=seed)  # noqa: E731
     eos = tokenizer.eos_token_id
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: safe_decode(tokenizer, ids, skip_special_tokens=True)  # noqa: E731
     growers = [make(Tree(prompt_ids=list(r["prompt_ids"]), query_id=str(r["id"])), _problem_seed(s.seed, i))
                for i, r in enumerate(records)]
     counters = grow(growers, engine, SamplingParams(temperature=s.temperature, top_p=s.top_p))

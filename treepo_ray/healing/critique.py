@@ -22,6 +22,7 @@ from typing import Callable
 import yaml
 
 from treepo_ray.engines.base import SamplingParams, SegmentRequest, SegmentResult
+from treepo_ray.engines.decode import safe_decode
 from treepo_ray.tree.tree import Tree
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.yaml")
@@ -130,12 +131,12 @@ class CritiqueHealer:
         out = HealResult(failure_node=node)
         if node is None:
             return out
-        problem = tok.decode(tree.prompt_ids, skip_special_tokens=True)
-        partial = tok.decode(tree.response_ids(node), skip_special_tokens=True)
+        problem = safe_decode(tok, tree.prompt_ids, skip_special_tokens=True)
+        partial = safe_decode(tok, tree.response_ids(node), skip_special_tokens=True)
         critique_prompt = self.prompts["critique"].format(problem=problem, partial=partial)
         crit = self._sample(critique_prompt, 1, cfg.critique_temperature, cfg.critique_max_tokens, seed,
                             f"{tree.query_id}/critique")
-        out.critique = tok.decode(crit.children[0].token_ids, skip_special_tokens=True).strip()
+        out.critique = safe_decode(tok, crit.children[0].token_ids, skip_special_tokens=True).strip()
         refine_prompt = self.prompts["refine"].format(problem=problem, partial=partial, critique=out.critique)
         refined = self._sample(refine_prompt, cfg.num_refinements, cfg.refine_temperature, cfg.step_len, seed + 1,
                                f"{tree.query_id}/refine")

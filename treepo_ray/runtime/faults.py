@@ -2,7 +2,7 @@
 checkpoint write errors, and a chaos option that kills engines on purpose.
 
     ResilientVerifierPool   verifiers behind a VerifierFront (registry.py): retried, then scored as failures
-    safe_decode             detokenisation that never raises on a bad model output
+    safe_decode             detokenisation that never raises on a bad model output (engines/decode.py)
     learner_lost / restore_learner / train_with_restarts
                             the driver's answer to a lost learner: rebuild it, load the newest checkpoint, rewind the
                             prompt stream to the checkpoint's data position, and go on (a bounded number of times)
@@ -25,39 +25,8 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from treepo_ray.engines.decode import safe_decode  # noqa: F401 - re-exported for the runtime's callers
 from treepo_ray.runtime.registry import VerifierFront, actor_lost, on_this_node, ping, report
-
-
-# ---------------------------------------------------------------------------------------------- bad values
-
-
-def safe_decode(tokenizer, ids, **kwargs) -> str:
-    """`tokenizer.decode(ids)` that never raises. A model output the tokenizer cannot read (ids outside its
-    vocabulary, e.g. from an embedding matrix padded past the tokenizer) decodes with U+FFFD in place of the bad
-    ids, so a bad sample is scored (as wrong) instead of killing the scheduler that holds a batch of trees."""
-    size = len(tokenizer)
-    try:
-        ids = [int(i) for i in ids]
-    except (TypeError, ValueError, OverflowError):
-        return "\ufffd"
-    if all(0 <= i < size for i in ids):
-        try:
-            return tokenizer.decode(ids, **kwargs)
-        except Exception:  # noqa: BLE001 - a tokenizer bug must not take down the run either
-            pass
-    out, run = [], []
-    for i in ids + [-1]:
-        if 0 <= i < size:
-            run.append(i)
-            continue
-        if run:
-            try:
-                out.append(tokenizer.decode(run, **kwargs))
-            except Exception:  # noqa: BLE001
-                out.append("\ufffd" * len(run))
-            run = []
-        out.append("\ufffd")
-    return "".join(out[:-1])  # the last U+FFFD stands for the -1 sentinel
 
 
 # ---------------------------------------------------------------------------------------------- verification

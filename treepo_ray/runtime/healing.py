@@ -19,6 +19,7 @@ import threading
 
 import ray
 
+from treepo_ray.engines.decode import safe_decode
 from treepo_ray.healing.critique import CritiqueHealer, HealingConfig
 from treepo_ray.runtime.catpo import CatpoConfig, needs_healing, record_heal, score_tree
 from treepo_ray.tree.tree import Tree
@@ -76,7 +77,7 @@ class HealerActor:
         tokenizer = self._tokenizer()
 
         def score(t: Tree, node: int) -> float:
-            solution = tokenizer.decode(t.response_ids(node), skip_special_tokens=True)
+            solution = safe_decode(tokenizer, t.response_ids(node), skip_special_tokens=True)
             item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"])
             return ray.get(self.verifiers.score([item]))[0]
 
