@@ -27,7 +27,7 @@ def test_overrides_are_typed():
 
 @pytest.mark.parametrize(
     "bad, message",
-    [("inner.z=1", "unknown key 'z'"), ("inner.x=1.5", "expected an integer"), ("nope.x=1", "not a section"),
+    [("inner.z=1", "unknown key 'z'"), ("inner.x=1.5", "expected an integer"), ("nope.x=1", "unknown key .nope."), ("inner.x.y=1", "not a section"),
      ("flag=maybe", "true or false"), ("flag", "key=value")],
 )
 def test_bad_overrides_name_the_key(bad, message):
@@ -43,3 +43,18 @@ def test_yaml_then_overrides(tmp_path):
     path.write_text("inner:\n  typo: 7\n")
     with pytest.raises(ValueError, match="typo"):
         config.load(Outer, path)
+
+
+@dataclass
+class WithMapping:
+    inner: Inner = field(default_factory=Inner)
+    kwargs: dict = field(default_factory=dict)
+
+
+def test_free_form_mappings_take_any_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kwargs:\n  block_size: 32\ninner:\n  x: 2\n")
+    cfg = config.load(WithMapping, path, ["kwargs.device=cpu", "inner.name=q"])
+    assert cfg.kwargs == {"block_size": 32, "device": "cpu"} and (cfg.inner.x, cfg.inner.name) == (2, "q")
+    with pytest.raises(ValueError, match="unknown key 'nope'"):
+        config.load(WithMapping, None, ["inner.nope=1"])

@@ -86,20 +86,35 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _section_type(cls: type, key: str, where: str) -> type | None:
+    """Type of field `key` of dataclass `cls` if it is itself a dataclass (a section), else None."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if key not in names:
+        raise ValueError(f"{where}: unknown key {key!r} (known: {sorted(names)})")
+    tp = _hints(cls)[key]
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
 def apply_overrides(cfg: T, overrides: list[str]) -> T:
-    """Apply `a.b.c=value` strings to a (nested) dataclass instance; returns a new instance."""
+    """Apply `a.b.c=value` strings to a (nested) dataclass instance; returns a new instance.
+
+    Keys must name fields of the dataclass sections; inside a free-form mapping field (`dict`) any key may be set.
+    """
     data = to_dict(cfg)
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
-        node, parts = data, key.split(".")
+        node, parts, cls = data, key.split("."), type(cfg)
         for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                raise ValueError(f"override {item!r}: {part!r} is not a section of the config")
-            node = node[part]
-        if parts[-1] not in node:
-            raise ValueError(f"override {item!r}: unknown key {parts[-1]!r} (known: {sorted(node)})")
+            if cls is not None:
+                sub = _section_type(cls, part, f"override {item!r}")
+                if sub is None and not isinstance(node.get(part), dict):
+                    raise ValueError(f"override {item!r}: {part!r} is not a section of the config")
+                cls = sub
+            node = node.setdefault(part, {})
+        if cls is not None:
+            _section_type(cls, parts[-1], f"override {item!r}")
         node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
     return from_dict(type(cfg), data)
 
@@ -109,15 +124,16 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
     cfg = cls()
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
-        merged = _merge(to_dict(cfg), data, str(path))
-        cfg = from_dict(cls, merged, str(path))
+        cfg = from_dict(cls, _merge(cls, to_dict(cfg), data, str(path)), str(path))
     return apply_overrides(cfg, overrides or [])
 
 
-def _merge(base: dict, update: dict, where: str) -> dict:
+def _merge(cls: type, base: dict, update: dict, where: str) -> dict:
+    """`update` over `base`, recursing into dataclass sections only; a mapping field is replaced whole."""
+    if not isinstance(update, dict):
+        raise ValueError(f"{where}: expected a mapping, got {update!r}")
     out = dict(base)
     for k, v in update.items():
-        if k not in base:
-            raise ValueError(f"{where}: unknown key {k!r} (known: {sorted(base)})")
-        out[k] = _merge(base[k], v, f"{where}.{k}") if isinstance(base[k], dict) and isinstance(v, dict) else v
+        sub = _section_type(cls, k, where)
+        out[k] = _merge(sub, base[k], v, f"{where}.{k}") if sub is not None and isinstance(v, dict) else v
     return out
