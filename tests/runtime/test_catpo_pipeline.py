@@ -9,7 +9,6 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.healing.logprobs import teacher_forced_logprobs
 from treepo_ray.runtime.catpo import CatpoConfig
@@ -20,19 +19,6 @@ from treepo_ray.runtime.train import load_task
 from treepo_ray.tree.tree import Tree
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=1, max_positions=256)
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", cfg))
 
 
 @pytest.fixture(scope="module")

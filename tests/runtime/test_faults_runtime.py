@@ -15,7 +15,6 @@ from transformers import AutoTokenizer
 
 from treepo_ray import config as config_io
 from treepo_ray.data.synthetic import DATA_SOURCE
-from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.learner import LearnerConfig, TrainSample, checkpoint_dir, list_checkpoints, prune_checkpoints
 from treepo_ray.runtime.actors import LearnerGroup
 from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig
@@ -27,19 +26,6 @@ from treepo_ray.runtime.registry import RuntimeRegistry, VerifierFront
 from treepo_ray.runtime.train import load_task, main as train_main
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=1, max_positions=256)
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", cfg))
 
 
 def small(tiny, *extra):

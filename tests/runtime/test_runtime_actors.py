@@ -13,13 +13,6 @@ from treepo_ray.runtime.actors import EngineActor, GeneratorPool, LearnerGroup
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 

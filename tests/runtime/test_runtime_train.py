@@ -9,7 +9,6 @@ import pytest
 import ray
 from transformers import AutoTokenizer
 
-from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.learner import list_checkpoints
 from treepo_ray.runtime.config import DEFAULT_CONFIG, load_config
 from treepo_ray.runtime.pipeline import Pipeline, PromptStream
@@ -18,19 +17,6 @@ from treepo_ray.runtime.viz import main as viz_main
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "run_report.ipynb"
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=1, max_positions=256)
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", cfg))
 
 
 def small(tiny, *extra):
