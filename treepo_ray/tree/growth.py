@@ -67,6 +67,43 @@ def has_repetition(text: str, substr_len: int, min_count: int) -> bool:
     return max(counts.values()) >= min_count
 
 
+@dataclass
+class PathLimits:
+    """Segment length and early-stop rules shared by the segment-wise samplers (TreePO, sequential)."""
+
+    segment_len: int = 512
+    """l: most tokens generated per segment."""
+    max_depth: int = 14
+    """d: most segments on one path; a node at this depth ends its path."""
+    max_response_len: int | None = None
+    """Response token limit ('max_length'); 0 or None = max_depth * segment_len."""
+    require_eos_after_boxed: bool = False
+    """A boxed answer ends a path only if the path also ended with EOS."""
+    repetition_substr_len: int = 32
+    """Characters of the repeated substring looked for in each new segment's text (0 = no repetition check)."""
+    repetition_min_count: int = 8
+    """Occurrences (overlaps counted) of that substring that end the path as 'repetition' (0 = no check)."""
+
+    def check_limits(self) -> None:
+        name = type(self).__name__
+        if self.max_response_len is not None and self.max_response_len < 0:
+            raise ValueError(f"{name}.max_response_len must be >= 0, got {self.max_response_len}")
+        if self.repetition_substr_len < 0 or self.repetition_min_count < 0:
+            raise ValueError(f"{name}.repetition_substr_len and repetition_min_count must be >= 0")
+
+    def response_limit(self) -> int:
+        return self.max_response_len or self.max_depth * self.segment_len
+
+    def stop_rules(self) -> "StopRules":
+        return StopRules(
+            max_depth=self.max_depth,
+            max_response_len=self.response_limit(),
+            require_eos_after_boxed=self.require_eos_after_boxed,
+            repetition_substr_len=self.repetition_substr_len,
+            repetition_min_count=self.repetition_min_count,
+        )
+
+
 @dataclass(frozen=True)
 class StopRules:
     """The early-stop checks of a grower, applied in this order: boxed, eos, max_length, max_depth, repetition."""

@@ -10,48 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from treepo_ray.tree.growth import Ask, Grower, StopRules, check_positive
+from treepo_ray.tree.growth import Ask, Grower, PathLimits, check_positive
 from treepo_ray.tree.tree import Tree
 
 
 @dataclass
-class SequentialConfig:
+class SequentialConfig(PathLimits):
     """Sequential (GRPO/DAPO) sampling, segment by segment."""
 
     group_size: int = 16
     """G: independent samples per prompt."""
-    segment_len: int = 512
-    """Most tokens per segment (one ask per path per segment)."""
-    max_depth: int = 14
-    """Most segments on one path."""
-    max_response_len: int | None = None
-    """Response token limit ('max_length'); 0 or None = max_depth * segment_len."""
-    require_eos_after_boxed: bool = False
-    """A boxed answer ends a path only if the path also ended with EOS."""
-    repetition_substr_len: int = 32
-    """Characters of the repeated substring looked for in each new segment's text (0 = no repetition check)."""
-    repetition_min_count: int = 8
-    """Occurrences (overlaps counted) of that substring that end the path as 'repetition' (0 = no check)."""
 
     def __post_init__(self) -> None:
         check_positive("SequentialConfig", group_size=self.group_size, segment_len=self.segment_len,
                        max_depth=self.max_depth)
-        if self.max_response_len is not None and self.max_response_len < 0:
-            raise ValueError(f"SequentialConfig.max_response_len must be >= 0, got {self.max_response_len}")
-        if self.repetition_substr_len < 0 or self.repetition_min_count < 0:
-            raise ValueError("SequentialConfig.repetition_substr_len and repetition_min_count must be >= 0")
-
-    def response_limit(self) -> int:
-        return self.max_response_len or self.max_depth * self.segment_len
-
-    def stop_rules(self) -> StopRules:
-        return StopRules(
-            max_depth=self.max_depth,
-            max_response_len=self.response_limit(),
-            require_eos_after_boxed=self.require_eos_after_boxed,
-            repetition_substr_len=self.repetition_substr_len,
-            repetition_min_count=self.repetition_min_count,
-        )
+        self.check_limits()
 
 
 class SequentialGrower(Grower):

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from treepo_ray.tree.growth import Ask, Grower, StopRules, check_positive
+from treepo_ray.tree.growth import Ask, Grower, PathLimits, check_positive
 from treepo_ray.tree.tree import Tree
 
 DIVERGENCE_POLICIES = ("uniform", "logprob_high", "logprob_low")
@@ -35,15 +35,11 @@ FALLBACK_POLICIES = ("finished_first", "random")
 
 
 @dataclass
-class TreePOConfig:
+class TreePOConfig(PathLimits):
     """TreePO tree sampling."""
 
     width: int = 16
     """w: trajectories per prompt at the end (the group size)."""
-    max_depth: int = 14
-    """d: most segments on one path; a node at this depth ends its path."""
-    segment_len: int = 512
-    """l: most tokens generated per segment."""
     init_divergence: int = 2
     """Children of the root when init_divergence_min/max are unset."""
     init_divergence_min: int | None = None
@@ -56,14 +52,6 @@ class TreePOConfig:
     """How the budget is spread over active paths: 'uniform', 'logprob_high' or 'logprob_low'."""
     logprob_temperature: float = 2.0
     """T of softmax(+-segment log-prob / T); the caller may change it between rounds for a schedule."""
-    require_eos_after_boxed: bool = False
-    """A boxed answer ends a path only if the path also ended with EOS."""
-    max_response_len: int | None = None
-    """Response token limit ('max_length'); 0 or None = max_depth * segment_len."""
-    repetition_substr_len: int = 32
-    """Characters of the repeated substring looked for in each new segment's text (0 = no repetition check)."""
-    repetition_min_count: int = 8
-    """Occurrences (overlaps counted) of that substring that end the path as 'repetition' (0 = no check)."""
     fallback_policy: str = "finished_first"
     """Which finished path fallback branches from: 'finished_first' (most recently finished) or 'random'."""
 
@@ -87,22 +75,8 @@ class TreePOConfig:
             )
         if self.fallback_policy not in FALLBACK_POLICIES:
             raise ValueError(f"TreePOConfig.fallback_policy {self.fallback_policy!r} is not one of {FALLBACK_POLICIES}")
-        if self.max_response_len is not None and self.max_response_len < 0:
-            raise ValueError(f"TreePOConfig.max_response_len must be >= 0, got {self.max_response_len}")
-        if self.repetition_substr_len < 0 or self.repetition_min_count < 0:
-            raise ValueError("TreePOConfig.repetition_substr_len and repetition_min_count must be >= 0")
+        self.check_limits()
 
-    def response_limit(self) -> int:
-        return self.max_response_len or self.max_depth * self.segment_len
-
-    def stop_rules(self) -> StopRules:
-        return StopRules(
-            max_depth=self.max_depth,
-            max_response_len=self.response_limit(),
-            require_eos_after_boxed=self.require_eos_after_boxed,
-            repetition_substr_len=self.repetition_substr_len,
-            repetition_min_count=self.repetition_min_count,
-        )
 
 
 def branch_budget(width: int, branch_factor: int, finished: int, finished_now: int, active: int) -> int:
