@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -275,4 +276,9 @@ def load_records(data_cfg, tokenizer, cache_dir: str | Path = ".cache/treepo-ray
         train_files, test_files = _split_files(name)
     train_set = load_dataset(train_files, tokenizer, cfg)
     test_set = load_dataset(test_files, tokenizer, cfg) if test_files else LoadedDataset()
+    for split, loaded in (("train", train_set), ("test", test_set)):
+        if loaded.bad_rows or loaded.overlong_rows:  # skipped rows are counted out loud, never silently
+            first = f"; first: {loaded.errors[0]}" if loaded.errors else ""
+            print(f"data: {split} split: {loaded.bad_rows} bad rows skipped, {loaded.overlong_rows} over the prompt "
+                  f"length limit{first}", file=sys.stderr)
     return train_set.records, test_set.records

@@ -28,7 +28,7 @@ from treepo_ray.runtime.healing import make_healer
 from treepo_ray.runtime.config import TrainConfig
 from treepo_ray.runtime.elastic import EngineSpec, PoolManager
 from treepo_ray.runtime.faults import ResilientVerifierPool, safe_decode
-from treepo_ray.runtime.registry import event_metrics, report
+from treepo_ray.runtime.registry import event_metrics, on_this_node, report
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
@@ -101,10 +101,11 @@ class Pipeline:
         catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
         self.healers = ([make_healer(self.pool, self.verifiers, model_path, catpo, cfg.sampler_config.step_len)]
                         if catpo is not None and catpo.heal else [])
-        # Schedulers mostly wait on engines and verifiers, so they reserve no CPU.
-        self.schedulers = [TreeScheduler.options(num_cpus=0).remote(self.pool, self.verifiers, model_path,
-                                                                   cfg.algo.sampler, cfg.sampler_config, sampling,
-                                                                   catpo, (self.healers or [None])[0])
+        # Schedulers mostly wait on engines and verifiers, so they reserve no CPU. They hold the tree state, so they
+        # live on the driver's node (same failure domain), never on a spot generator node that can vanish.
+        scheduler = TreeScheduler.options(num_cpus=0, scheduling_strategy=on_this_node())
+        self.schedulers = [scheduler.remote(self.pool, self.verifiers, model_path, cfg.algo.sampler,
+                                            cfg.sampler_config, sampling, catpo, (self.healers or [None])[0])
                            for _ in range(rt.num_schedulers)]
         self.learner = self.build_learner()
         self.engine_version = 0
