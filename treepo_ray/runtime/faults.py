@@ -77,7 +77,26 @@ def learner_lost(group, timeout_s: float = 30.0) -> bool:
     return False
 
 
-class LearnerWatch:
+class BackgroundLoop:
+    """A daemon thread that runs `self._run` until `stop()` sets `self._stop`."""
+
+    def __init__(self, name: str):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+class LearnerWatch(BackgroundLoop):
     """Takes the whole learner group down when one of its ranks dies. The other ranks would wait in a collective
     for the dead one for the process group's timeout (many minutes) while the driver waits on rank 0; with every rank
     killed, the driver's call fails at once and train_with_restarts rebuilds the group. A thread pings each rank
@@ -86,16 +105,7 @@ class LearnerWatch:
     def __init__(self, get_group, registry, poll_s: float = 1.0):
         self.get_group, self.registry, self.poll_s = get_group, registry, poll_s
         self.takedowns = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="learner-watch", daemon=True)
-
-    def start(self) -> "LearnerWatch":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        super().__init__("learner-watch")
 
     def _run(self) -> None:
         pings: dict[int, object] = {}
@@ -243,7 +253,7 @@ def kill_actor(actor, how: str) -> str:
     return f"SIGKILL pid {pid}"
 
 
-class ChaosMonkey:
+class ChaosMonkey(BackgroundLoop):
     """Kills one live engine of the pool every `cfg.kill_generator_every` seconds (wall time), to rehearse recovery.
     Only engines that have joined the pool are victims, so with one engine each replacement serves before the next
     kill."""
@@ -252,16 +262,7 @@ class ChaosMonkey:
         self.generators, self.cfg = generators, cfg
         self.kills = 0
         self._rng = np.random.default_rng(cfg.seed)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
-
-    def start(self) -> "ChaosMonkey":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        super().__init__("chaos")
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.kill_generator_every):
