@@ -12,7 +12,8 @@ pytest.importorskip("deepspeed")
 
 from treepo_ray.algo.losses import LossConfig  # noqa: E402
 from treepo_ray.engines.tiny import build_tiny_model  # noqa: E402
-from treepo_ray.learner import Learner, LearnerConfig, TrainSample  # noqa: E402
+from treepo_ray.learner import Learner, LearnerConfig  # noqa: E402
+from learner_testlib import SHARDS, shared_samples  # noqa: E402
 
 
 def _config() -> LearnerConfig:
@@ -21,23 +22,10 @@ def _config() -> LearnerConfig:
                          loss=LossConfig(kl_coef=0.05, entropy_coef=0.01))
 
 
-def _samples() -> list[TrainSample]:
-    return [
-        TrainSample([5, 6, 7], [8, 9, 10, 11], advantages=1.0),
-        TrainSample([12], [13, 14], advantages=-1.0, weight=0.5, old_logprobs=[-5.0, -6.5]),
-        TrainSample([20, 21, 22, 23, 24], [25], advantages=0.5),
-        TrainSample([30, 31], [32, 33, 34, 35, 36, 37], advantages=[1.0, -1.0, 0.5, 0.0, 2.0, -0.5]),
-        TrainSample([40, 41, 42], [43, 44, 45], advantages=-0.75, weight=2.0),
-    ]
-
-
-SHARDS = (slice(0, 3), slice(3, 5))
-
-
 def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     learner = Learner(model_path, _config(), rank=rank, world_size=2, master_port=port)
-    shard = _samples()[SHARDS[rank]]
+    shard = shared_samples()[SHARDS[rank]]
     metrics = [learner.train_step(shard) for _ in range(2)]
     ckpt = learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": 2})
     w2 = learner.export_weights()
@@ -69,7 +57,7 @@ def test_deepspeed_zero2_two_ranks(tmp_path):
 
     single = Learner(model_path, _config())  # world_size 1: the plain model, whatever the strategy
     assert single.engine is None
-    want = [single.train_step(_samples()) for _ in range(2)]
+    want = [single.train_step(shared_samples()) for _ in range(2)]
     for g, w in zip(r["metrics"], want):
         for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens"):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), key

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from treepo_ray.algo.losses import LossConfig
 from treepo_ray.engines.tiny import build_tiny_model
 from treepo_ray.learner import Learner, LearnerConfig, TrainSample
+from learner_testlib import SHARDS, shared_samples
 
 AGGREGATIONS = ("token-mean", "seq-mean")
 
@@ -22,18 +23,6 @@ def _config(aggregation: str) -> LearnerConfig:
                                                                       entropy_coef=0.01))
 
 
-def _samples() -> list[TrainSample]:
-    return [
-        TrainSample([5, 6, 7], [8, 9, 10, 11], advantages=1.0),
-        TrainSample([12], [13, 14], advantages=-1.0, weight=0.5, old_logprobs=[-5.0, -6.5]),
-        TrainSample([20, 21, 22, 23, 24], [25], advantages=0.5),
-        TrainSample([30, 31], [32, 33, 34, 35, 36, 37], advantages=[1.0, -1.0, 0.5, 0.0, 2.0, -0.5]),
-        TrainSample([40, 41, 42], [43, 44, 45], advantages=-0.75, weight=2.0),
-    ]
-
-
-# Uneven shards: rank 0 runs two micro-batches, rank 1 one real and one zero-weighted dummy pass.
-SHARDS = (slice(0, 3), slice(3, 5))
 STEPS = 2
 
 
@@ -42,7 +31,7 @@ def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     results = {}
     for aggregation in AGGREGATIONS:
         learner = Learner(model_path, _config(aggregation), rank=rank, world_size=2, master_port=port)
-        metrics = [learner.train_step(_samples()[SHARDS[rank]]) for _ in range(STEPS)]
+        metrics = [learner.train_step(shared_samples()[SHARDS[rank]]) for _ in range(STEPS)]
         weights = learner.export_weights()
         if aggregation == "token-mean":
             learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": STEPS})
@@ -71,7 +60,7 @@ def test_two_fsdp2_ranks_match_one_process(model_path, tmp_path):
 
     for aggregation in AGGREGATIONS:
         single = Learner(model_path, _config(aggregation))
-        want = [single.train_step(_samples()) for _ in range(STEPS)]
+        want = [single.train_step(shared_samples()) for _ in range(STEPS)]
         got_metrics, got_weights = results[aggregation]
         for g, w in zip(got_metrics, want):
             for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples"):
@@ -91,7 +80,7 @@ def test_two_fsdp2_ranks_match_one_process(model_path, tmp_path):
             ref_state = single.optimizer.state_dict()["state"]
             for idx, s in ref_state.items():
                 torch.testing.assert_close(state[idx]["exp_avg_sq"], s["exp_avg_sq"], atol=1e-7, rtol=1e-4)
-            nxt = [TrainSample(s.prompt_ids, s.response_ids, s.advantages, s.weight) for s in _samples()]
+            nxt = [TrainSample(s.prompt_ids, s.response_ids, s.advantages, s.weight) for s in shared_samples()]
             a, b = resumed.train_step(nxt), single.train_step([dataclasses.replace(s) for s in nxt])
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
             for k, v in single.export_weights().items():
