@@ -8,9 +8,16 @@ import sys
 COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
     "eval": ("treepo_ray.data.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset"),
-    "bench": ("treepo_ray.engines.bench", "tree vs sequential sampling throughput on one engine"),
+    "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling on one engine; `bench NAME ...` runs "
+                                              "another benchmark (chaos, overlap, catpo)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
-    "viz": ("treepo_ray.runtime.viz", "render a run's saved trees as a self-contained HTML page"),
+    "viz": ("treepo_ray.job.viz", "render a run's saved trees as a self-contained HTML page"),
+}
+BENCHMARKS = {
+    "engine": "treepo_ray.benchmarks.engine",
+    "chaos": "treepo_ray.benchmarks.chaos",
+    "overlap": "treepo_ray.benchmarks.overlap",
+    "catpo": "treepo_ray.benchmarks.catpo",
 }
 
 
@@ -30,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"treepo-ray: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name = COMMANDS[name][0]
+    if name == "bench" and rest and rest[0] in BENCHMARKS:  # `bench NAME ...`; plain `bench` is the engine's
+        module_name, rest = BENCHMARKS[rest[0]], rest[1:]
+    module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)
 
 

@@ -119,21 +119,39 @@ def apply_overrides(cfg: T, overrides: list[str]) -> T:
     return from_dict(type(cfg), data)
 
 
-def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Defaults of `cls`, then the YAML file at `path` (may set any subset), then dotted overrides."""
-    cfg = cls()
-    if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        cfg = from_dict(cls, _merge(cls, to_dict(cfg), data, str(path)), str(path))
-    return apply_overrides(cfg, overrides or [])
-
-
-def _merge(cls: type, base: dict, update: dict, where: str) -> dict:
-    """`update` over `base`, recursing into dataclass sections only; a mapping field is replaced whole."""
-    if not isinstance(update, dict):
-        raise ValueError(f"{where}: expected a mapping, got {update!r}")
-    out = dict(base)
-    for k, v in update.items():
-        sub = _section_type(cls, k, where)
-        out[k] = _merge(sub, base[k], v, f"{where}.{k}") if sub is not None and isinstance(v, dict) else v
+def file_overrides(cls: type, data: dict, prefix: str = "") -> list[str]:
+    """A YAML mapping as `a.b=value` overrides: sections (dataclass fields) are walked into, every other value
+    (free-form mappings such as model.engine_kwargs included) is set whole."""
+    hints = _hints(cls) if dataclasses.is_dataclass(cls) else {}
+    out = []
+    for key, value in data.items():
+        sub = hints.get(key)
+        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
+            out += file_overrides(sub, value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()}")
     return out
+
+
+def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Defaults of `cls`, then the YAML file at `path` (any subset of keys), then dotted `key=value` overrides;
+    errors name the file or the override and the key.
+
+    The file goes through the same dotted path as the command line, so a free-form mapping (engine_kwargs,
+    *_resources) is replaced whole rather than merged key by key into its default."""
+    return apply_overrides(cls(), read_file_overrides(cls, path) + list(overrides or []))
+
+
+def read_file_overrides(cls: type, path: str | Path | None) -> list[str]:
+    """The YAML file at `path` as dotted overrides of `cls`, checked on its own so that errors name the file."""
+    if path is None:
+        return []
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+    args = file_overrides(cls, data)
+    try:
+        apply_overrides(cls(), args)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return args

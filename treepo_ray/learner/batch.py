@@ -113,3 +113,22 @@ def collate(samples: list[TrainSample], pad_id: int = 0) -> Batch:
     position_ids = torch.arange(L, dtype=torch.long).expand(B, L).clone()
     return Batch(input_ids, attention_mask, position_ids, response_mask, advantages, old,
                  [len(s.prompt_ids) for s in samples], [len(s.response_ids) for s in samples])
+
+
+def samples_from_trees(trees: list, advantages: list[list[float | list[float]]],
+                       tree_weights: list[float] | None = None) -> list[TrainSample]:
+    """One sample per trajectory of each tree (`advantages[t][k]`: tree t's k-th trajectory, from algo/credit.py).
+
+    `tree_weights` (one per tree, default 1) scales every sample of a tree: the place for CATPO's informativeness
+    weight. Old log-probs are left None: the learner recomputes them under its current weights (PPO ratio).
+    """
+    weights = [1.0] * len(trees) if tree_weights is None else list(tree_weights)
+    if len(weights) != len(trees) or len(advantages) != len(trees):
+        raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage lists and {len(weights)} weights")
+    samples = []
+    for tree, advs, w in zip(trees, advantages, weights):
+        for node, adv in zip(tree.trajectories, advs):
+            response = tree.response_ids(node)
+            if response:
+                samples.append(TrainSample(list(tree.prompt_ids), response, adv, weight=w))
+    return samples

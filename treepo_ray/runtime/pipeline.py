@@ -20,15 +20,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
+from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, sampled_tokens
+from treepo_ray.algo.credit import keep_tree, tree_metrics
+from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
-from treepo_ray.runtime.actors import LearnerGroup, TreeScheduler
-from treepo_ray.runtime.batch import build_samples, keep_tree, tree_metrics
-from treepo_ray.runtime.catpo import catpo_metrics, catpo_weights, sampled_tokens
-from treepo_ray.runtime.healing import make_healer
-from treepo_ray.runtime.config import TrainConfig
-from treepo_ray.runtime.elastic import EngineSpec, PoolManager
-from treepo_ray.runtime.faults import ResilientVerifierPool, safe_decode
+from treepo_ray.engines.decode import safe_decode
+from treepo_ray.job.config import TrainConfig
+from treepo_ray.learner.batch import samples_from_trees
+from treepo_ray.runtime.healer import make_healer
+from treepo_ray.runtime.learner import LearnerGroup
+from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
 from treepo_ray.runtime.registry import event_metrics, on_this_node, report
+from treepo_ray.runtime.scheduler import TreeScheduler
+from treepo_ray.runtime.verifier import VerifierPool
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
@@ -53,32 +57,6 @@ class RolloutBatch:
     """A few of the batch's trees with decoded texts, for trees.jsonl."""
 
 
-class PromptStream:
-    """Training prompts in a reproducible order: epoch e is a permutation seeded by (seed, e). `position` counts the
-    prompts handed out, so a resumed run continues exactly where its checkpoint says."""
-
-    def __init__(self, records: list[dict], seed: int, shuffle: bool = True, position: int = 0):
-        if not records:
-            raise ValueError("the training set is empty")
-        self.records, self.seed, self.shuffle, self.position = records, seed, shuffle, position
-        self._epoch, self._order = -1, np.arange(0)
-
-    def take(self, n: int) -> list[dict]:
-        """The next `n` prompts; each gets a unique id (`<id>#<position>`) and a seed derived from its position."""
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.position, len(self.records))
-            if epoch != self._epoch:
-                self._epoch = epoch
-                rng = np.random.default_rng([self.seed, epoch])
-                self._order = rng.permutation(len(self.records)) if self.shuffle else np.arange(len(self.records))
-            rec = self.records[int(self._order[i])]
-            seed = int(np.random.SeedSequence([self.seed, self.position]).generate_state(1)[0] & 0x7FFFFFFF)
-            out.append({**rec, "id": f"{rec['id']}#{self.position}", "seed": seed})
-            self.position += 1
-        return out
-
-
 class Pipeline:
     """The actors of one run (generator pool, schedulers, verifiers, learner group) and the loop over them."""
 
@@ -86,15 +64,14 @@ class Pipeline:
         rt = cfg.runtime
         self.cfg, self.tokenizer = cfg, tokenizer
         self.model_path = model_path
-        # The generator pool replaces lost engines and grows where Ray reports room (elastic.py); verifiers are
-        # retried and their failures scored as wrong (faults.py). Both report to one registry of fault events.
+        # The generator pool replaces lost engines and grows where Ray reports room (pool.py); verifiers are
+        # retried and their failures scored as wrong (verifier.py). Both report to one registry of fault events.
         spec = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
                           rt.engine_gpus, rt.engine_resources)
-        self.generators = PoolManager(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
-                                      rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s)
-        self.pool = self.generators.pool
-        self.verifiers = ResilientVerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
-                                                     self.generators.registry, rt.faults)
+        self.pool = GeneratorPool(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
+                                  rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s)
+        self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
+                                            self.pool.registry, rt.faults)
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
         # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
@@ -108,49 +85,39 @@ class Pipeline:
                                             cfg.sampler_config, sampling, catpo, (self.healers or [None])[0])
                            for _ in range(rt.num_schedulers)]
         self.learner = self.build_learner()
-        self.engine_version = 0
-        self.eval_set: list[dict] = []
+        self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
-        self._published: tuple[int, object] = (0, None)  # newest (version, weights ObjectRef) of the learner
-        self._lock = threading.Lock()
-        self.generators.start()  # only now: growth takes free room, which the actors above needed first
+        self.pool.start()  # only now: growth takes free room, which the actors above needed first
 
     def build_learner(self) -> LearnerGroup:
-        """A new learner group with the base weights (also what replaces a lost one, see faults.restore_learner)."""
+        """A new learner group with the base weights (also what replaces a lost one, see recovery.py)."""
         rt = self.cfg.runtime
         return LearnerGroup(self.model_path, self.cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
                             rt.learner_resources, rt.torch_threads)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
-        self.generators.close()  # the engines, pending ones too, and the registry
+        self.pool.close()  # the engines, pending ones too, and the registry
         actors = self.verifiers.actors() + self.schedulers + self.healers + self.learner.ranks
         for actor in actors:
             ray.kill(actor)
 
     # ------------------------------------------------------------------------------------------ weights
 
-    def publish(self, version: int) -> None:
-        """Make the learner's current weights the newest version (one object-store copy, not yet sent)."""
-        ref = self.learner.export_weights()
-        with self._lock:
-            self._published = (version, ref)
-
-    def sync_weights(self, min_version: int = 0) -> float:
-        """Load the newest published weights into every engine if they run older ones; returns seconds spent."""
+    def sync_weights(self, min_version: int = 0, force: bool = False) -> float:
+        """Load the learner's newest published weights into every engine if they run older ones (or, with `force`,
+        whatever they run); returns seconds spent."""
         t0 = time.perf_counter()
-        with self._lock:
-            version, ref = self._published
+        version, ref = self.learner.published
         # Invariant (guaranteed by the slots in `train`): the learner has published a version the batch may use.
         assert version >= min_version, f"weights v{version} published, batch needs v{min_version} or newer"
-        if version > self.engine_version and ref is not None:
-            self.generators.load_weights(ref, version)  # engines that join later load these first
-            self.engine_version = version
+        if ref is not None and (force or version > self.pool.weights_version):
+            self.pool.load_weights(ref, version)  # engines that join later load these first
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------ rollouts
 
-    def grow(self, prompts: list[dict]) -> list[Tree]:
+    def grow(self, prompts: list[Prompt]) -> list[Tree]:
         """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order."""
         k = len(self.schedulers)
         refs = [s.grow.remote(prompts[i::k]) for i, s in enumerate(self.schedulers) if prompts[i::k]]
@@ -182,7 +149,7 @@ class Pipeline:
         t_grow = time.perf_counter()
         # CATPO phase 4 (phases 2-3 ran in the schedulers): each tree's advantages scaled by w(T) = F / mean F.
         weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
-        samples = build_samples(kept, algo, tree_weights=weights)
+        samples = samples_from_trees(kept, algo.advantages(kept), weights)
         t_credit = time.perf_counter()
 
         metrics = tree_metrics(grown, algo.correct_threshold)
@@ -203,7 +170,7 @@ class Pipeline:
             "time/rollout": t_grow - t0,
             "time/credit": t_credit - t_grow,
         })
-        return RolloutBatch(step, self.engine_version, ray.put(samples), len(samples), stream.position, metrics,
+        return RolloutBatch(step, self.pool.weights_version, ray.put(samples), len(samples), stream.position, metrics,
                             [self.tree_record(t) for t in kept[:num_trees_logged]])
 
     def _engine_counters(self) -> dict:
@@ -212,11 +179,11 @@ class Pipeline:
 
     def fault_metrics(self) -> dict:
         """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
-        events = self.generators.drain_events()
+        events = self.pool.drain_events()
         for _, kind, detail, _ in events:
             if kind in ("engines_lost", "engines_joined", "chaos_kills"):
                 report(detail)  # the others were logged where they happened
-        return {"pool/size": float(self.generators.size), **event_metrics(events)}
+        return {"pool/size": float(self.pool.size), **event_metrics(events)}
 
     def tree_record(self, tree: Tree) -> dict:
         """A tree as a JSON-able dict with the decoded text of its prompt and of every segment."""
@@ -225,7 +192,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------------------ evaluation
 
-    def evaluate(self, problems: list[dict], max_new_tokens: int, samples: int = 1, temperature: float = 1.0) -> dict:
+    def evaluate(self, problems: list[Prompt], max_new_tokens: int, samples: int = 1, temperature: float = 1.0) -> dict:
         """Held-out pass@1 of the weights the engines hold now: the mean accuracy of `samples` answers per problem
         drawn at `temperature` (0 = greedy, one answer). Seeds are fixed per problem, so two evaluations of the
         same weights agree and two of different weights differ only by the weights."""
@@ -233,17 +200,18 @@ class Pipeline:
             return {}
         t0 = time.perf_counter()
         samples = 1 if temperature == 0 else samples
-        reqs = [SegmentRequest(f"eval-v{self.engine_version}/{i}", list(p["prompt_ids"]), max_new_tokens, samples,
+        version = self.pool.weights_version
+        reqs = [SegmentRequest(f"eval-v{version}/{i}", list(p.prompt_ids), max_new_tokens, samples,
                                SamplingParams(temperature=temperature, seed=1_000_003 * i))
                 for i, p in enumerate(problems)]
-        results = self.generators.generate_now(reqs)  # spread over the live engines, re-sent if one dies
-        triples = [(p.get("data_source", ""), safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
-                    p["ground_truth"]) for p, r in zip(problems, results) for c in r.children]
+        results = self.pool.generate_now(reqs)  # spread over the live engines, re-sent if one dies
+        triples = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
+                    p.ground_truth) for p, r in zip(problems, results) for c in r.children]
         rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
         lengths = [len(c.token_ids) for r in results for c in r.children]
         return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
                 "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
-                "eval/problems": float(len(problems)), "eval/version": float(self.engine_version),
+                "eval/problems": float(len(problems)), "eval/version": float(version),
                 "time/eval": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -304,7 +272,7 @@ class Pipeline:
                 else:
                     metrics = {"train/skipped": 1.0}
                 t_pub = time.perf_counter()
-                self.publish(step + 1)
+                self.learner.publish(step + 1)
                 slots.release()
                 now = time.perf_counter()
                 metrics.update(batch.metrics)

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from treepo_ray import config as config_io
-from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.data.prompts import Prompt, PromptStream
+from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.job.state import TrainerState
 
 
 def init_ray(cfg: TrainConfig) -> None:
@@ -53,88 +59,125 @@ def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
     return run_dir, (latest_checkpoint(run_dir) if resume == "auto" else None)
 
 
-def load_task(cfg: TrainConfig, tokenizer) -> tuple[list[dict], list[dict]]:
-    """Training and held-out records {id, prompt_text, prompt_ids, ground_truth, data_source}."""
-    from treepo_ray.data import load_records
-
-    return load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, cfg=cfg.data.prompt)
-
-
 def resolve_model(cfg: TrainConfig) -> str:
     if cfg.model.path:
         if not Path(cfg.model.path).is_dir():
             raise ValueError(f"model.path = {cfg.model.path!r} is not a model directory")
         return cfg.model.path
-    from treepo_ray.data import prepare_base_model
+    from treepo_ray.data.pretrain import prepare_base_model
 
     return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed))
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary."""
+@dataclass
+class Job:
+    """What every run of the pipeline starts from (the training job, and the benchmarks that run it)."""
+
+    cfg: TrainConfig
+    model_path: str
+    tokenizer: object
+    train_set: list[Prompt]
+    test_set: list[Prompt]
+    """Held-out prompts, at most trainer.eval_size of them."""
+
+
+def set_up(cfg: TrainConfig) -> Job:
+    """The model (the tiny base model is built first, before Ray: it uses every core), its tokenizer, the task's
+    prompts, and Ray (a local one unless the config names a cluster)."""
+    from transformers import AutoTokenizer
+
+    from treepo_ray.data.datasets import load_records
+
     if abs(cfg.learner.temperature - cfg.rollout.temperature) > 1e-9:
         raise ValueError(f"learner.temperature = {cfg.learner.temperature} but rollout.temperature = "
                          f"{cfg.rollout.temperature}; the learner's log-probs must use the sampling temperature")
+    model_path = resolve_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_set, test_set = load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, cfg=cfg.data.prompt)
+    as_prompt = lambda r: Prompt(str(r["id"]), tuple(r["prompt_ids"]), r["ground_truth"], r["data_source"],  # noqa
+                                 r["prompt_text"])
+    train_set, test_set = [as_prompt(r) for r in train_set], [as_prompt(r) for r in test_set]
+    init_ray(cfg)
+    return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])
+
+
+def ray_gauges():
+    """A RunLogger sink exporting each metric as a ray.util.metrics Gauge (visible on the Ray dashboard)."""
+    from ray.util.metrics import Gauge
+
+    gauges: dict = {}
+
+    def sink(values: dict) -> None:
+        for key, v in values.items():
+            name = "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)  # Prometheus names: [a-zA-Z_][a-zA-Z0-9_]*
+            if name not in gauges:
+                gauges[name] = Gauge(name, description=key)
+            gauges[name].set(v)
+
+    return sink
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary."""
     started = time.time()
-    from transformers import AutoTokenizer
     from tqdm import tqdm
 
+    from treepo_ray.job.logs import RunLogger
     from treepo_ray.learner import checkpoint_dir, prune_checkpoints
-    from treepo_ray.runtime.faults import save_checkpoint_or_report, train_with_restarts
-    from treepo_ray.runtime.logs import RunLogger
-    from treepo_ray.runtime.pipeline import Pipeline, PromptStream
+    from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.recovery import save_checkpoint_or_report, train_with_recovery
 
-    model_path = resolve_model(cfg)  # before Ray: building the base model uses every core
+    job = set_up(cfg)
     run_dir, resume_from = resolve_run_dir(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_set, test_set = load_task(cfg, tokenizer)
-    test_set = test_set[: cfg.trainer.eval_size]
-    init_ray(cfg)
+    test_set = job.test_set
     tr = cfg.trainer
     eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
                      samples=tr.eval_samples, temperature=tr.eval_temperature)
     eval_method = (f"pass@1, mean of {tr.eval_samples} samples per problem at temperature {tr.eval_temperature}"
                    if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
 
-    pipe = Pipeline(cfg, model_path, tokenizer)
-    state: dict = {"step": 0, "data_position": 0, "elapsed_s": 0.0, "trajectories": 0}
+    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+    state = TrainerState(seed=tr.seed)
     if resume_from is not None:
-        state.update(pipe.learner.load_checkpoint(str(resume_from)))
-        print(f"resuming {run_dir} from {resume_from.name}: step {state['step']}, "
-              f"data position {state['data_position']}")
-    start = state["step"]
-    logger = RunLogger(run_dir, cfg.log, config_io.to_dict(cfg), name=run_dir.name, resume_step=start)
-    (run_dir / "config.yaml").write_text(__import__("yaml").safe_dump(config_io.to_dict(cfg), sort_keys=False))
+        state = TrainerState.from_dict(pipe.learner.load_checkpoint(str(resume_from)))
+        print(f"resuming {run_dir} from {resume_from.name}: step {state.step}, data position {state.data_position}")
+    start = state.step
+    logger = RunLogger(run_dir, cfg.log, config_io.to_dict(cfg), name=run_dir.name, resume_step=start,
+                       sinks=[ray_gauges()] if cfg.log.ray_metrics else [])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False))
     if start:  # the engines were built from the base model; bring them to the checkpoint's weights
-        pipe.publish(start)
+        pipe.learner.publish(start)
         pipe.sync_weights(start)
-    if "base_eval" not in state:
-        state["base_eval"] = pipe.evaluate(test_set, **eval_args)
-        if state["base_eval"]:
-            print(f"base model: held-out accuracy {state['base_eval']['eval/accuracy']:.3f} "
+    if state.base_eval is None:
+        state.base_eval = pipe.evaluate(test_set, **eval_args)
+        if state.base_eval:
+            print(f"base model: held-out accuracy {state.base_eval['eval/accuracy']:.3f} "
                   f"on {len(test_set)} problems ({eval_method})")
-            logger.log(0, state["base_eval"])
+            logger.log(0, state.base_eval)
 
-    stream = PromptStream(train_set, tr.seed, cfg.data.shuffle, position=state["data_position"])
+    stream = PromptStream(job.train_set, tr.seed, cfg.data.shuffle, position=state.data_position)
     end = tr.steps if not tr.stop_after else min(tr.steps, start + tr.stop_after)
     bar = tqdm(total=tr.steps, initial=start, desc=f"{cfg.algo.name} train", unit="step", dynamic_ncols=True)
     pipe.eval_set, pipe.eval_args = test_set, eval_args
-    elapsed0, loop_start = state["elapsed_s"], time.time()
+    elapsed0, loop_start = state.elapsed_s, time.time()
 
     faults: dict[str, float] = {}  # fault/* totals of this invocation (not rewound by a learner restart)
 
     def save(step: int, data_position: int) -> None:
-        state.update(step=step, data_position=data_position, elapsed_s=elapsed0 + time.time() - loop_start)
-        error = save_checkpoint_or_report(pipe.learner, checkpoint_dir(run_dir, step), dict(state, seed=tr.seed))
+        state.step, state.data_position = step, data_position
+        state.elapsed_s = elapsed0 + time.time() - loop_start
+        error = save_checkpoint_or_report(pipe.learner, checkpoint_dir(run_dir, step), state.to_dict())
         if error:  # e.g. a full disk: the previous checkpoint is intact, training goes on (counted in fault/*)
-            pipe.generators.registry.record.remote("checkpoint_errors", error)
+            pipe.pool.registry.record.remote("checkpoint_errors", error)
             return
         prune_checkpoints(run_dir, tr.keep_checkpoints)
 
-    def on_restart(restored: dict, error: BaseException, redone: int) -> None:
-        state.update(restored)  # trajectories and data position as of the checkpoint the learner restarts from
+    def on_restart(restored: TrainerState, error: BaseException, redone: int) -> None:
+        # trajectories and data position as of the checkpoint the learner restarts from
+        state.step, state.data_position, state.trajectories = (restored.step, restored.data_position,
+                                                               restored.trajectories)
         faults["fault/steps_redone"] = faults.get("fault/steps_redone", 0.0) + redone
-        bar.n = int(restored["step"])
+        bar.n = restored.step
         bar.refresh()
 
     def on_step(batch, metrics: dict) -> bool:
@@ -142,7 +185,7 @@ def run(cfg: TrainConfig) -> dict:
         for key, value in metrics.items():
             if key.startswith("fault/"):
                 faults[key] = faults.get(key, 0.0) + value
-        state["trajectories"] += int(metrics.get("rollout/trajectories", 0))
+        state.trajectories += int(metrics.get("rollout/trajectories", 0))
         line = logger.log(step, metrics)
         if cfg.log.trees_per_step:
             logger.save_trees(step, batch.trees)
@@ -156,8 +199,8 @@ def run(cfg: TrainConfig) -> dict:
         return True
 
     try:
-        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (faults.py).
-        done = train_with_restarts(pipe, start, end, stream, on_step, run_dir, on_restart,
+        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (recovery.py).
+        done = train_with_recovery(pipe, start, end, stream, on_step, run_dir, on_restart,
                                    trees_per_step=cfg.log.trees_per_step, eval_every=tr.eval_every)
     except BaseException:
         logger.close()  # W&B run and the curve of what was trained, then the error
@@ -172,11 +215,11 @@ def run(cfg: TrainConfig) -> dict:
     summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": str(run_dir),
                "max_staleness": cfg.runtime.max_staleness, "wall_time_s": time.time() - started,
                "train_time_s": elapsed0 + loop_s,
-               "trajectories": state["trajectories"],
+               "trajectories": state.trajectories,
                "eval_method": eval_method, "eval_problems": len(test_set),
-               "faults": faults, "pool_size": pipe.generators.size}
-    summary["trajectories_per_s"] = state["trajectories"] / max(summary["train_time_s"], 1e-9)
-    base = state["base_eval"].get("eval/accuracy")
+               "faults": faults, "pool_size": pipe.pool.size}
+    summary["trajectories_per_s"] = state.trajectories / max(summary["train_time_s"], 1e-9)
+    base = state.base_eval.get("eval/accuracy")
     summary["base_accuracy"] = base
     if completed and test_set:
         pipe.sync_weights(done)  # the consumer published the final weights after the last step

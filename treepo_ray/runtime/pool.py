@@ -1,12 +1,12 @@
-"""The generator pool that survives lost engines and follows the cluster's size.
+"""The generator pool: the run's engine actors, routed to and kept alive.
 
-    ElasticGeneratorPool  the routing table each scheduler holds (picklable); a tree's requests stay on one engine,
-                          and when that engine dies mid-segment its requests are sent again, whole, to a live one
-    PoolManager           (driver) owns the engine actors: notices deaths, replaces lost engines, adds engines where
-                          Ray reports room, and loads the pool's current weights into an engine before it joins
-
-Both report to the RuntimeRegistry (registry.py): the member list every scheduler's table catches up from, and the
-journal of fault events behind each step's `fault/*` metrics.
+One class, two roles. Every copy routes (a scheduler or the healer holds a pickled copy): a tree's requests all go
+to the engine its first request went to (its prefix cache lives there), a new tree goes to the engine with the
+fewest live trees of that copy, and when that engine dies mid-segment the requests are sent again, whole, to a live
+one. The driver's own pool also keeps the membership: it notices deaths, replaces lost engines, adds engines where
+Ray reports room, and loads the pool's current weights into an engine before it joins. Copies catch up with the
+member list through the RuntimeRegistry (registry.py), which also journals the fault events behind each step's
+`fault/*` metrics.
 
 Nothing of a tree lives in an engine: the schedulers own the tree state, and a request carries the full prefix ids.
 A re-sent request names a cache key of the dead engine, which the new engine does not know, so it computes the
@@ -19,7 +19,7 @@ would instead wait for the engine's restart (after a preemption: for a new node)
 still holds the base weights. The replacement is a new actor that joins the routing tables only after it has
 loaded the weights the rest of the pool runs. While the cluster has no room it stays a pending actor, outside the
 pool: the resource demand an autoscaler answers with a new node. Verifiers, which hold no state, are the case
-where Ray's in-place restart is the right tool (faults.py).
+where Ray's in-place restart is the right tool (verifier.py).
 """
 
 from __future__ import annotations
@@ -34,41 +34,104 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
-from treepo_ray.runtime.actors import EngineActor
+from treepo_ray.runtime.engine import EngineActor
 from treepo_ray.runtime.registry import RuntimeRegistry, actor_id, actor_lost, on_this_node, ping, report
 
 
-# ---------------------------------------------------------------------------------------------- routing
+def _watch(manager_ref, stop: threading.Event, poll_s: float) -> None:
+    """The pool manager's thread: one `tick` every `poll_s` until stopped or the manager is gone."""
+    while not stop.wait(poll_s):
+        manager = manager_ref()
+        if manager is None:
+            return
+        try:
+            manager.tick()
+        except Exception as err:  # a monitoring hiccup must not end the run; the next round tries again
+            report(f"generator pool watch: {type(err).__name__}: {err}")
+        del manager
 
 
-class ElasticGeneratorPool:
-    """Routes segment requests to engine actors, keyed by a stable engine id. Picklable: each scheduler holds its own
-    copy and catches up with the registry's member list at most every `refresh_s` seconds, and at once after a loss.
+@dataclass
+class EngineSpec:
+    """How to start one engine actor, and the resources it asks of Ray (runtime.engine_*)."""
 
-    A tree's requests all go to the engine its first request went to (its prefix cache lives there); a new tree goes
-    to the engine with the fewest live trees of this copy. `generate` returns an awaitable (call it in an event loop)
-    that re-sends the requests to another engine when theirs dies.
+    engine: str
+    model_path: str
+    engine_kwargs: dict = field(default_factory=dict)
+    torch_threads: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict = field(default_factory=dict)
+
+    def demand(self) -> dict[str, float]:
+        want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: float(v) for k, v in want.items() if v}
+
+    def fits(self, available: dict) -> bool:
+        """Whether `available` (ray.available_resources()) has room for one more engine."""
+        return all(available.get(k, 0.0) >= v for k, v in self.demand().items())
+
+    def start(self):
+        return EngineActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
+                                   max_restarts=0, max_task_retries=0).remote(
+            self.engine, self.model_path, self.engine_kwargs, self.torch_threads)
+
+
+class GeneratorPool:
+    """The run's engines. Built once on the driver, which keeps `num_engines` engine actors requested at all times
+    (lost ones are replaced; a replacement waits as a pending actor until the cluster has room) and adds more, up to
+    `max_engines`, whenever Ray reports room for one; an engine joins only after loading the weights the pool runs.
+    A thread polls every `poll_s` once `start()` is called.
+
+    Pickled copies (what schedulers and the healer hold) only route: `generate` / `call` / `call_sync` / `finish`.
+    Each copy catches up with the registry's member list at most every `poll_s` seconds, and at once after a loss.
     """
 
-    def __init__(self, registry, engines: dict | None = None, max_resends: int = 16, refresh_s: float = 0.5,
-                 engine_wait_s: float = 900.0):
-        self.registry = registry
-        self.max_resends, self.refresh_s, self.engine_wait_s = max_resends, refresh_s, engine_wait_s
+    # What a pickled copy keeps: the routing state. The rest (members, pending actors, the thread) is the driver's.
+    _ROUTING = ("registry", "max_resends", "refresh_s", "engine_wait_s", "_epoch", "_engines", "_trees", "_home",
+                "_dead")
+
+    def __init__(self, spec: EngineSpec, num_engines: int, max_engines: int = 0, poll_s: float = 0.5,
+                 max_resends: int = 16, engine_wait_s: float = 900.0, startup_timeout_s: float = 600.0,
+                 registry=None):
+        if num_engines < 1:
+            raise ValueError(f"num_engines = {num_engines}; the pool needs at least one engine")
+        # Routing (every copy).
+        self.registry = registry or RuntimeRegistry.options(scheduling_strategy=on_this_node()).remote()
+        self.max_resends, self.refresh_s, self.engine_wait_s = max_resends, poll_s, engine_wait_s
         self._epoch = 0
-        self._engines: dict[str, object] = {}
-        self._live: dict[str, int] = {}
-        self._home: dict[str, str] = {}
+        self._engines: dict[str, object] = {}  # engine id -> actor, as this copy knows them
+        self._trees: dict[str, int] = {}  # engine id -> live trees this copy routed there
+        self._home: dict[str, str] = {}  # tree (query id) -> engine id
         self._dead: set[str] = set()  # never re-admitted, even if a stale member list still names it
         self._checked = 0.0
-        self.set_engines(0, engines or {})
+        # Membership (the driver's pool only).
+        self.spec, self.num_engines = spec, num_engines
+        self.max_engines = max(max_engines, num_engines)
+        self.poll_s = poll_s
+        self._members: dict[str, object] = {}
+        self._pending: dict[str, tuple[object, object]] = {}  # id -> (actor, ObjectRef that resolves when it is up)
+        self._pings: dict[str, object] = {}
+        self._weights: tuple[int, object] = (0, None)  # the version (and ObjectRef) every live engine holds
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._growth = threading.Event()  # cleared while paused: no growth (a restarting learner needs the room)
+        self._growth.set()
+        self._thread: threading.Thread | None = None
+        self.joined = self.lost = 0
+        self.init_failures = 0  # engines in a row whose constructor raised (3: replacements stop)
+        for _ in range(num_engines):
+            self._spawn()
+        self._await_first(startup_timeout_s)
+
+    def __getstate__(self) -> dict:
+        return {k: self.__dict__[k] for k in self._ROUTING}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._checked = 0.0  # another process's clock: refresh on the first call
 
-    @property
-    def engines(self) -> list:
-        return list(self._engines.values())
+    # -------------------------------------------------------------------------------- routing (every copy)
 
     def set_engines(self, epoch: int, engines: dict) -> None:
         """Adopt a member list; trees homed on engines that left are re-routed on their next request."""
@@ -78,11 +141,11 @@ class ElasticGeneratorPool:
             self._forget(eid)
         self._engines = keep
         for eid in keep:
-            self._live.setdefault(eid, 0)
+            self._trees.setdefault(eid, 0)
 
     def _forget(self, eid: str) -> None:
         self._engines.pop(eid, None)
-        self._live.pop(eid, None)
+        self._trees.pop(eid, None)
         for qid in [q for q, home in self._home.items() if home == eid]:
             del self._home[qid]
 
@@ -91,9 +154,9 @@ class ElasticGeneratorPool:
         if home is None or home not in self._engines:
             if not self._engines:
                 raise RuntimeError("the generator pool has no live engine")
-            home = min(self._engines, key=self._live.__getitem__)
+            home = min(self._engines, key=self._trees.__getitem__)
             self._home[query_id] = home
-            self._live[home] += 1
+            self._trees[home] += 1
         return home
 
     def engine_of(self, query_id: str) -> int:
@@ -186,11 +249,11 @@ class ElasticGeneratorPool:
         which ignores them) and forget its route."""
         home = self._home.pop(query_id, None)
         if home is not None and home in self._engines:
-            self._live[home] -= 1
+            self._trees[home] -= 1
             if cache_keys:
                 self._engines[home].release.remote(cache_keys)
 
-    def load_weights(self, state_ref, version: int) -> list[str]:
+    def _load_into_engines(self, state_ref, version: int) -> list[str]:
         """Load one object-store copy of the weights into every engine; returns the ids of engines found dead
         (the pool manager replaces them). Any other failure is raised."""
         refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
@@ -217,82 +280,7 @@ class ElasticGeneratorPool:
                     raise
         return out
 
-
-# ---------------------------------------------------------------------------------------------- the driver's side
-
-
-def _watch(manager_ref, stop: threading.Event, poll_s: float) -> None:
-    """The pool manager's thread: one `tick` every `poll_s` until stopped or the manager is gone."""
-    while not stop.wait(poll_s):
-        manager = manager_ref()
-        if manager is None:
-            return
-        try:
-            manager.tick()
-        except Exception as err:  # a monitoring hiccup must not end the run; the next round tries again
-            report(f"generator pool watch: {type(err).__name__}: {err}")
-        del manager
-
-
-@dataclass
-class EngineSpec:
-    """How to start one engine actor, and the resources it asks of Ray (runtime.engine_*)."""
-
-    engine: str
-    model_path: str
-    engine_kwargs: dict = field(default_factory=dict)
-    torch_threads: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    resources: dict = field(default_factory=dict)
-
-    def demand(self) -> dict[str, float]:
-        want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
-        return {k: float(v) for k, v in want.items() if v}
-
-    def fits(self, available: dict) -> bool:
-        """Whether `available` (ray.available_resources()) has room for one more engine."""
-        return all(available.get(k, 0.0) >= v for k, v in self.demand().items())
-
-    def start(self):
-        return EngineActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
-                                   max_restarts=0, max_task_retries=0).remote(
-            self.engine, self.model_path, self.engine_kwargs, self.torch_threads)
-
-
-class PoolManager:
-    """Keeps `num_engines` engine actors requested at all times (lost ones are replaced; a replacement waits as a
-    pending actor until the cluster has room) and adds more, up to `max_engines`, whenever Ray reports room for one.
-    An engine joins the pool only after loading the weights the pool runs now. Runs a thread polling every `poll_s`.
-    """
-
-    def __init__(self, spec: EngineSpec, num_engines: int, max_engines: int = 0, poll_s: float = 0.5,
-                 max_resends: int = 16, engine_wait_s: float = 900.0, startup_timeout_s: float = 600.0,
-                 registry=None):
-        if num_engines < 1:
-            raise ValueError(f"num_engines = {num_engines}; the pool needs at least one engine")
-        self.spec, self.num_engines = spec, num_engines
-        self.max_engines = max(max_engines, num_engines)
-        self.poll_s = poll_s
-        self.registry = registry or RuntimeRegistry.options(scheduling_strategy=on_this_node()).remote()
-        self.pool = ElasticGeneratorPool(self.registry, {}, max_resends, poll_s, engine_wait_s)
-        self._live: dict[str, object] = {}
-        self._pending: dict[str, tuple[object, object]] = {}  # id -> (actor, ObjectRef that resolves when it is up)
-        self._pings: dict[str, object] = {}
-        self._weights: tuple[int, object] = (0, None)  # the version (and ObjectRef) every live engine holds
-        self._epoch = 0
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._growth = threading.Event()  # cleared while paused: no growth (a restarting learner needs the room)
-        self._growth.set()
-        self._thread: threading.Thread | None = None
-        self.joined = self.lost = 0
-        self.init_failures = 0  # engines in a row whose constructor raised (3: replacements stop)
-        for _ in range(num_engines):
-            self._spawn()
-        self._await_first(startup_timeout_s)
-
-    # -------------------------------------------------------------------------------- membership
+    # -------------------------------------------------------------------------------- membership (the driver)
 
     def _spawn(self) -> None:
         actor = self.spec.start()
@@ -303,14 +291,14 @@ class PoolManager:
         deadline = time.monotonic() + timeout_s
         while self._pending and time.monotonic() < deadline:
             self.tick(wait_s=min(self.poll_s, max(deadline - time.monotonic(), 0)))
-        if not self._live:
+        if not self._members:
             raise RuntimeError(f"no engine actor started within {timeout_s:.0f}s (asks {self.spec.demand()}; "
                                f"cluster has {ray.available_resources()})")
 
     def _publish(self) -> None:
         self._epoch += 1
-        self.pool.set_engines(self._epoch, self._live)
-        self.registry.set_engines.remote(self._epoch, [ray.put(dict(self._live))])
+        self.set_engines(self._epoch, self._members)
+        self.registry.set_engines.remote(self._epoch, [ray.put(dict(self._members))])
 
     def _event(self, kind: str, detail: str, count: int = 1) -> None:
         self.registry.record.remote(kind, detail, count)
@@ -352,7 +340,7 @@ class PoolManager:
                             + (" (node preempted)" if getattr(err, "preempted", False) else ""))
                 continue
             self.init_failures = 0
-            self._live[eid] = actor
+            self._members[eid] = actor
             self.joined += 1
             changed = True
             if self._thread is not None:  # a replacement or growth, not the initial pool
@@ -361,7 +349,7 @@ class PoolManager:
             self._publish()
 
     def _check_health(self) -> None:
-        for eid, actor in self._live.items():
+        for eid, actor in self._members.items():
             if eid not in self._pings:
                 self._pings[eid] = ping(actor)
         refs = {ref: eid for eid, ref in self._pings.items()}
@@ -381,7 +369,7 @@ class PoolManager:
             self._publish()
 
     def _drop(self, eid: str, why: str) -> None:
-        if self._live.pop(eid, None) is not None:
+        if self._members.pop(eid, None) is not None:
             self._pings.pop(eid, None)
             self.lost += 1
             self._event("engines_lost", why)
@@ -390,17 +378,17 @@ class PoolManager:
         if self.init_failures >= 3:
             return  # engines fail in their constructor: more of them would fail the same way
         # Floor: every lost engine is asked for again at once; if there is no room it waits as a pending actor.
-        while len(self._live) + len(self._pending) < self.num_engines:
+        while len(self._members) + len(self._pending) < self.num_engines:
             self._spawn()
         # Growth: one engine at a time, once the run's other actors are placed (start()), only where Ray reports
         # room, and only while nothing is still pending.
         if (self._thread is not None and self._growth.is_set() and not self._pending
-                and len(self._live) < self.max_engines and self.spec.fits(ray.available_resources())):
+                and len(self._members) < self.max_engines and self.spec.fits(ray.available_resources())):
             self._spawn()
 
     # -------------------------------------------------------------------------------- the thread
 
-    def start(self) -> "PoolManager":
+    def start(self) -> "GeneratorPool":
         """Start watching the pool (call once the run's other actors are placed: growth takes free room)."""
         if self._thread is None:
             # The thread holds the manager only weakly: a pipeline dropped without shutdown() still releases its
@@ -422,9 +410,9 @@ class PoolManager:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            for actor in list(self._live.values()) + [a for a, _ in self._pending.values()]:
+            for actor in list(self._members.values()) + [a for a, _ in self._pending.values()]:
                 ray.kill(actor)
-            self._live.clear()
+            self._members.clear()
             self._pending.clear()
         ray.kill(self.registry)
 
@@ -433,24 +421,26 @@ class PoolManager:
     @property
     def size(self) -> int:
         """Engines in the pool now (live and serving)."""
-        return len(self._live)
+        return len(self._members)
 
     def engines(self) -> list:
         with self._lock:
-            return list(self._live.values())
+            return list(self._members.values())
+
+    @property
+    def weights_version(self) -> int:
+        """The weights version every live engine runs (and every joiner loads before joining)."""
+        return self._weights[0]
 
     def load_weights(self, state_ref, version: int) -> None:
         """Make `version` the pool's weights: every live engine loads it now, every later joiner before joining."""
         with self._lock:
             self._weights = (version, state_ref)
-            lost = self.pool.load_weights(state_ref, version)
+            lost = self._load_into_engines(state_ref, version)
             for eid in lost:
                 self._drop(eid, f"engine {eid[:8]} lost while loading weights v{version}")
             if lost:
                 self._publish()
-
-    def stats(self) -> list[dict]:
-        return self.pool.stats()
 
     def generate_now(self, requests: list[SegmentRequest], timeout_s: float = 900.0) -> list[SegmentResult]:
         """Results of `requests` (any prefixes), spread over the live engines; requests of an engine that dies are
@@ -460,7 +450,7 @@ class PoolManager:
         deadline = time.monotonic() + timeout_s
         while todo:
             with self._lock:
-                engines = list(self._live.items())
+                engines = list(self._members.items())
             if not engines:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no live engine for {timeout_s:.0f}s to run {len(todo)} requests on")

@@ -2,7 +2,7 @@
 
     TreeScheduler ──verified tree──▶ score_and_heal: F(T), regime ──dead-wrong──▶ HealerActor.heal
                                                                                   │ critique + k continuations
-                                                                                  ▼   on the GeneratorPool
+                                                                                  ▼   on the generator pool
                                         healed tree, F(T) again ◀── grafted, verified, rewards re-propagated
 
 The scheduler awaits the healer without blocking its event loop, so a tree's healing overlaps the growth of the
@@ -21,7 +21,8 @@ import ray
 
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.healing.critique import CritiqueHealer, HealingConfig
-from treepo_ray.runtime.catpo import CatpoConfig, needs_healing, record_heal, score_tree
+from treepo_ray.algo.catpo import needs_healing, record_heal
+from treepo_ray.job.config import CatpoConfig
 from treepo_ray.tree.tree import Tree
 
 
@@ -51,11 +52,7 @@ class HealerActor:
         """`engine.<method>(*args)` on the engine `key` is routed to; a request the engine refuses as bad input
         raises HealRefused."""
         try:
-            if hasattr(self.pool, "call_sync"):  # an elastic pool: it re-sends to another engine if this one dies
-                return self.pool.call_sync(key, method, *args)
-            with self._lock:
-                engine = self.pool.engines[self.pool.engine_of(key)]
-            return ray.get(getattr(engine, method).remote(*args))
+            return self.pool.call_sync(key, method, *args)  # re-sent to another engine if this one dies
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, ValueError):
                 raise HealRefused(str(err.cause)) from None
@@ -104,7 +101,7 @@ async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tre
     context) is recorded in tree.meta["catpo"]["heal"]["error"] and counted per step (catpo/heal_errors); the tree
     is then trained as sampled. Any other failure stops the run.
     """
-    score_tree(tree, cfg)
+    cfg.score(tree)
     if healer is None or not cfg.heal or not needs_healing(tree):
         return tree
     try:
@@ -115,5 +112,5 @@ async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tre
         record_heal(tree, None, error=message)
         return tree
     record_heal(healed, result)
-    score_tree(healed, cfg)
+    cfg.score(healed)
     return healed

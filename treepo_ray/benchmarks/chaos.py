@@ -1,6 +1,6 @@
 """What does losing engines cost? The same short run without and with runtime.chaos, side by side.
 
-    python -m treepo_ray.runtime.bench_chaos [config.yaml] [--steps N] [--every S] [--json PATH] [key=value ...]
+    treepo-ray bench chaos [config.yaml] [--steps N] [--every S] [--json PATH] [key=value ...]
 
 Both runs share one Ray, the config, the model, the prompts and the seeds; each builds a fresh pipeline and trains
 N steps. The second kills one engine every S seconds of wall time (runtime.chaos.kill_generator_every; it
@@ -14,25 +14,26 @@ weights the pool runs. (With max_staleness >= 1, which weights version a batch i
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
-from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.benchmarks.common import parse_job_args, write_json
+from treepo_ray.job.config import TrainConfig
 
 # Two engines of half a CPU each: a lost engine's requests go to the other at once, and its replacement fits in
 # the room it left. Override on the command line.
 DEFAULTS = ["runtime.num_engines=2", "runtime.engine_cpus=0.5", "runtime.elastic.poll_s=0.2", "log.wandb=false"]
 
 
-def run_once(cfg: TrainConfig, model_path: str, tokenizer, records: list[dict], steps: int) -> dict:
+def run_once(job, cfg: TrainConfig, steps: int) -> dict:
     """Train `steps` steps on a fresh pipeline (with runtime.chaos as configured); what each step produced."""
-    from treepo_ray.runtime.faults import train_with_restarts
-    from treepo_ray.runtime.pipeline import Pipeline, PromptStream
+    from treepo_ray.data.prompts import PromptStream
+    from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.recovery import train_with_recovery
 
-    pipe = Pipeline(cfg, model_path, tokenizer)
+    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
     rows: list[dict] = []
 
     def on_step(batch, metrics) -> bool:
@@ -45,8 +46,8 @@ def run_once(cfg: TrainConfig, model_path: str, tokenizer, records: list[dict], 
 
     try:
         start = time.perf_counter()
-        done = train_with_restarts(pipe, 0, steps, PromptStream(records, cfg.trainer.seed, cfg.data.shuffle), on_step,
-                                   None, trees_per_step=cfg.trainer.prompts_per_step)
+        done = train_with_recovery(pipe, 0, steps, PromptStream(job.train_set, cfg.trainer.seed, cfg.data.shuffle),
+                                   on_step, None, trees_per_step=cfg.trainer.prompts_per_step)
         wall = time.perf_counter() - start
         tail = pipe.fault_metrics()
     finally:
@@ -73,22 +74,15 @@ def compare(clean: dict, chaos: dict) -> dict:
 
 
 def run(cfg: TrainConfig, steps: int, every: float) -> dict:
-    import dataclasses
+    from treepo_ray.runtime.train import set_up
 
-    from transformers import AutoTokenizer
-
-    from treepo_ray.runtime.train import init_ray, load_task, resolve_model
-
-    model_path = resolve_model(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    records, _ = load_task(cfg, tokenizer)
-    init_ray(cfg)
+    job = set_up(cfg)
     off = dataclasses.replace(cfg.runtime.chaos, kill_generator_every=0.0, kill_learner_after_step=0)
     on = dataclasses.replace(cfg.runtime.chaos, kill_generator_every=every)
     results = {}
     for name, chaos in (("clean", off), ("chaos", on)):
         run_cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, chaos=chaos))
-        results[name] = run_once(run_cfg, model_path, tokenizer, records, steps)
+        results[name] = run_once(job, run_cfg, steps)
         r = results[name]
         print(f"{name:>5}: {r['steps']} steps in {r['wall_s']:.1f} s, {r['trajectories']} trajectories, "
               f"faults {json.dumps({k.split('/')[1]: v for k, v in sorted(r['faults'].items())})}", flush=True)
@@ -105,25 +99,18 @@ def run(cfg: TrainConfig, steps: int, every: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m treepo_ray.runtime.bench_chaos", description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG),
-                    help="YAML config (default: jobs/configs/cpu.yaml)")
-    ap.add_argument("--steps", type=int, default=40, help="training steps of each run (cpu.yaml: the whole run)")
-    ap.add_argument("--every", type=float, default=3.0, help="seconds between two engine kills in the chaos run")
-    ap.add_argument("--json", default=None, help="write the result here as JSON")
-    args, overrides = ap.parse_known_args(argv)
-    if "=" in args.config:
-        overrides, args.config = [args.config, *overrides], str(DEFAULT_CONFIG)
+    def flags(ap) -> None:
+        ap.add_argument("--steps", type=int, default=40, help="training steps of each run (cpu.yaml: the whole run)")
+        ap.add_argument("--every", type=float, default=3.0, help="seconds between two engine kills in the chaos run")
+
+    parsed = parse_job_args(argv, "chaos", __doc__, flags, before=DEFAULTS)
+    if isinstance(parsed, int):
+        return parsed
+    args, cfg = parsed
     if args.steps < 1 or args.every <= 0:
-        ap.error("--steps must be >= 1 and --every > 0")
-    try:
-        cfg = load_config(args.config, DEFAULTS + overrides)
-    except ValueError as err:
-        print(f"bench_chaos: {err}", file=sys.stderr)
+        print("treepo-ray bench chaos: --steps must be >= 1 and --every > 0", file=sys.stderr)
         return 2
-    result = run(cfg, args.steps, args.every)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, run(cfg, args.steps, args.every))
     return 0
 
 

@@ -1,17 +1,14 @@
-"""Surviving faults: verifier retries, guarded decoding and rewards, a lost learner rebuilt from its checkpoint,
-checkpoint write errors, and a chaos option that kills engines on purpose.
+"""Recovery: the training loop that survives a lost learner (the job's entry into the pipeline), what it needs to
+rebuild one, checkpoint write errors, and the chaos option that rehearses it all by killing actors on purpose.
 
-    ResilientVerifierPool   verifiers behind a VerifierFront (registry.py): retried, then scored as failures
-    safe_decode             detokenisation that never raises on a bad model output (engines/decode.py)
-    learner_lost / restore_learner / train_with_restarts
-                            the driver's answer to a lost learner: rebuild it, load the newest checkpoint, rewind the
-                            prompt stream to the checkpoint's data position, and go on (a bounded number of times)
-    LearnerWatch            one lost rank takes its whole group down (its peers would hang in a collective)
+    train_with_recovery   pipe.train(...) wrapped: a lost learner group is rebuilt from the newest checkpoint, the
+                          prompt stream rewound to the checkpoint's data position, and training goes on
+    LearnerWatch          one lost rank takes its whole group down (its peers would hang in a collective)
     save_checkpoint_or_report
-                            a failed checkpoint write (full disk) is logged and training goes on
-    ChaosMonkey             kills one engine every N seconds (runtime.chaos), by ray.kill or SIGKILL
+                          a failed checkpoint write (full disk) is logged and training goes on
+    ChaosMonkey           kills one engine every N seconds (runtime.chaos), by ray.kill or SIGKILL
 
-Engine losses are handled by the generator pool itself (elastic.py).
+Engine losses are handled by the generator pool itself (pool.py), verifier losses by the verifier front (verifier.py).
 """
 
 from __future__ import annotations
@@ -25,41 +22,10 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from treepo_ray.engines.decode import safe_decode  # noqa: F401 - re-exported for the runtime's callers
-from treepo_ray.runtime.registry import VerifierFront, actor_lost, on_this_node, ping, report
-
-
-# ---------------------------------------------------------------------------------------------- verification
-
-
-class ResilientVerifierPool:
-    """What schedulers, the healer and the driver hold (picklable): `score(items)` is an ObjectRef of one finite
-    reward per item, from the VerifierFront. `verifiers` are the actors behind it."""
-
-    def __init__(self, verifiers: list, front):
-        if not verifiers:
-            raise ValueError("VerifierPool needs at least one verifier actor")
-        self.verifiers, self.front = list(verifiers), front
-
-    @classmethod
-    def start(cls, num_verifiers: int, num_cpus: float, timeout_s: float, registry, faults) -> "ResilientVerifierPool":
-        """`num_verifiers` verifier actors (restarted in place when lost) and their front."""
-        from treepo_ray.rewards.math import MathVerifyConfig
-        from treepo_ray.runtime.actors import VerifierActor
-
-        verifiers = [VerifierActor.options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0).remote(timeout_s)
-                     for _ in range(num_verifiers)]
-        front = VerifierFront.options(scheduling_strategy=on_this_node()).remote(
-            verifiers, registry, faults.verifier_retries, faults.verifier_call_timeout_s,
-            MathVerifyConfig().wrong_score)
-        return cls(verifiers, front)
-
-    def score(self, items: list[tuple[str, str, str]]):
-        """ObjectRef of one finite reward per item."""
-        return self.front.score.remote(items)
-
-    def actors(self) -> list:
-        return [*self.verifiers, self.front]
+from treepo_ray.data.prompts import PromptStream
+from treepo_ray.job.state import TrainerState
+from treepo_ray.learner import latest_checkpoint
+from treepo_ray.runtime.registry import actor_lost, ping, report
 
 
 # ---------------------------------------------------------------------------------------------- the learner
@@ -99,7 +65,7 @@ class BackgroundLoop:
 class LearnerWatch(BackgroundLoop):
     """Takes the whole learner group down when one of its ranks dies. The other ranks would wait in a collective
     for the dead one for the process group's timeout (many minutes) while the driver waits on rank 0; with every rank
-    killed, the driver's call fails at once and train_with_restarts rebuilds the group. A thread pings each rank
+    killed, the driver's call fails at once and train_with_recovery rebuilds the group. A thread pings each rank
     (a ping queues behind a running step, so a busy rank is not mistaken for a dead one)."""
 
     def __init__(self, get_group, registry, poll_s: float = 1.0):
@@ -139,32 +105,26 @@ class LearnerWatch(BackgroundLoop):
                 report(f"learner watch: {type(err).__name__}: {err}")
 
 
-def restore_learner(pipe, run_dir: str | Path | None) -> dict:
+def restore_learner(pipe, run_dir: str | Path | None) -> TrainerState:
     """Replace a lost learner group: kill what is left of it, build a new one, load the newest complete checkpoint of
     `run_dir` (the base weights when there is none), and bring the engines to exactly those weights. Returns the
-    trainer state to continue from (at least {"step", "data_position"})."""
-    from treepo_ray.learner import latest_checkpoint
-
+    trainer state to continue from."""
     for rank in pipe.learner.ranks:
         ray.kill(rank)
-    pipe.generators.pause_growth()  # the room the dead learner left is for its replacement, not for an engine
+    pipe.pool.pause_growth()  # the room the dead learner left is for its replacement, not for an engine
     try:
         pipe.learner = pipe.build_learner()
     finally:
-        pipe.generators.resume_growth()
+        pipe.pool.resume_growth()
     ckpt = latest_checkpoint(run_dir) if run_dir else None
-    state = {"step": 0, "data_position": 0}
-    if ckpt is not None:
-        state.update(pipe.learner.load_checkpoint(str(ckpt)))
-    step = int(state["step"])
-    pipe.publish(step)
+    state = TrainerState.from_dict(pipe.learner.load_checkpoint(str(ckpt))) if ckpt is not None else TrainerState()
+    pipe.learner.publish(state.step)
     # The engines may run weights of steps the lost learner trained after the checkpoint: reload, even if "older".
-    pipe.engine_version = -1
-    pipe.sync_weights(step)
+    pipe.sync_weights(state.step, force=True)
     return state
 
 
-def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: str | Path | None,
+def train_with_recovery(pipe, start: int, end: int, stream: PromptStream, on_step, run_dir: str | Path | None,
                         on_restart=None, **train_kwargs) -> int:
     """`pipe.train(start, end, stream, on_step, ...)` that survives a lost learner: the group is rebuilt from the
     newest checkpoint of `run_dir`, the prompt stream rewound to the checkpoint's data position, and training goes
@@ -173,8 +133,8 @@ def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: st
     trained once; `on_restart(state, error, steps_redone)` lets the caller log the rewind honestly.
     Runs runtime.chaos (engine kills, one learner kill) while training. Returns the number of steps completed."""
     faults, chaos_cfg = pipe.cfg.runtime.faults, pipe.cfg.runtime.chaos
-    chaos = ChaosMonkey(pipe.generators, chaos_cfg).start() if chaos_cfg.kill_generator_every > 0 else None
-    watch = LearnerWatch(lambda: pipe.learner, pipe.generators.registry).start()
+    chaos = ChaosMonkey(pipe.pool, chaos_cfg).start() if chaos_cfg.kill_generator_every > 0 else None
+    watch = LearnerWatch(lambda: pipe.learner, pipe.pool.registry).start()
     restarts, reached, learner_killed = 0, [start], [False]
 
     def counting(batch, metrics) -> bool:
@@ -183,7 +143,7 @@ def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: st
         if reached[0] == chaos_cfg.kill_learner_after_step and not learner_killed[0]:
             learner_killed[0] = True
             done = kill_actor(pipe.learner.ranks[0], "signal")
-            pipe.generators.registry.record.remote("chaos_kills", f"chaos killed learner rank 0 ({done})")
+            pipe.pool.registry.record.remote("chaos_kills", f"chaos killed learner rank 0 ({done})")
         return go_on
 
     try:
@@ -197,16 +157,16 @@ def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: st
                 report(f"learner lost after step {reached[0]} ({type(err).__name__}: {err}); restart {restarts} "
                        f"of {faults.max_learner_restarts}")
                 state = restore_learner(pipe, run_dir)
-                start = int(state["step"])
+                start = state.step
                 redone, reached[0] = reached[0] - start, start
                 msg = (f"learner rebuilt from the checkpoint of step {start} (data position "
-                       f"{state['data_position']}); the {redone} steps trained after it are trained again")
+                       f"{state.data_position}); the {redone} steps trained after it are trained again")
                 report(msg)
-                pipe.generators.registry.record.remote("learner_restarts", msg)
+                pipe.pool.registry.record.remote("learner_restarts", msg)
                 if on_restart is not None:
                     on_restart(state, err, redone)
                 # The same prompts in the same order as before the loss, from the checkpoint's position on.
-                stream = type(stream)(stream.records, stream.seed, stream.shuffle, position=int(state["data_position"]))
+                stream = stream.rewound(state.data_position)
     finally:
         watch.stop()
         if chaos is not None:
@@ -216,7 +176,7 @@ def train_with_restarts(pipe, start: int, end: int, stream, on_step, run_dir: st
 def save_checkpoint_or_report(group, directory: str | Path, trainer_state: dict) -> str | None:
     """Save a checkpoint; on a write failure (full disk, ...) log it and return the message instead of raising, so
     training goes on (the learner writes atomically: the previous checkpoint stays whole). A lost learner is
-    raised, for train_with_restarts."""
+    raised, for train_with_recovery."""
     try:
         group.save_checkpoint(str(directory), trainer_state)
     except Exception as err:  # noqa: BLE001
@@ -258,15 +218,15 @@ class ChaosMonkey(BackgroundLoop):
     Only engines that have joined the pool are victims, so with one engine each replacement serves before the next
     kill."""
 
-    def __init__(self, generators, cfg):
-        self.generators, self.cfg = generators, cfg
+    def __init__(self, pool, cfg):
+        self.pool, self.cfg = pool, cfg
         self.kills = 0
         self._rng = np.random.default_rng(cfg.seed)
         super().__init__("chaos")
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.kill_generator_every):
-            engines = self.generators.engines()
+            engines = self.pool.engines()
             if not engines:
                 continue
             how = self.cfg.how if self.cfg.how != "alternate" else ("ray", "signal")[self.kills % 2]
@@ -277,4 +237,4 @@ class ChaosMonkey(BackgroundLoop):
                 report(f"chaos: could not kill an engine: {type(err).__name__}: {err}")
                 continue
             self.kills += 1
-            self.generators.registry.record.remote("chaos_kills", f"chaos killed an engine ({done})")
+            self.pool.registry.record.remote("chaos_kills", f"chaos killed an engine ({done})")

@@ -1,6 +1,6 @@
 """CATPO against TreeRPO on the CPU task, at equal sampled tokens, and the paper's two hypothesis checks.
 
-    python -m treepo_ray.runtime.catpo_bench [config.yaml] [--steps N] [--h1-trees M] [--json PATH] [key=value ...]
+    treepo-ray bench catpo [config.yaml] [--steps N] [--h1-trees M] [--json PATH] [key=value ...]
 
 Default config: jobs/configs/catpo_cpu.yaml (tiny base model, synthetic addition task, local Ray). In one
 invocation, on the same Ray, data and base model:
@@ -25,10 +25,8 @@ the base model and of each final policy. Everything is written to --json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -36,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from treepo_ray.runtime.config import CONFIG_DIR, TrainConfig, load_config
+from treepo_ray.benchmarks.common import parse_job_args, write_json
+from treepo_ray.job.config import CONFIG_DIR, AlgoConfig, TrainConfig
 
 DEFAULT = CONFIG_DIR / "catpo_cpu.yaml"
 NO_CRITIQUE = Path(__file__).resolve().parents[1] / "healing" / "prompts_no_critique.yaml"
@@ -72,12 +71,11 @@ def spearman(x, y) -> float:
 
 def h2_check(pipe, trees, cfg: TrainConfig, model_path: str) -> dict:
     """Heal copies of the dead-wrong trees among `trees` with each prompts file; per file, the share healed."""
-    from treepo_ray.runtime.catpo import score_tree
-    from treepo_ray.runtime.healing import make_healer, score_and_heal
+    from treepo_ray.runtime.healer import make_healer, score_and_heal
     from treepo_ray.tree.tree import Tree
 
     catpo = cfg.algo.catpo
-    dead = [t for t in trees if score_tree(Tree.from_json(t.to_json()), catpo)["regime"] == "dead_wrong"]
+    dead = [t for t in trees if catpo.score(Tree.from_json(t.to_json()))["regime"] == "dead_wrong"]
     out: dict = {"dead_wrong_trees": len(dead), "of_trees": len(trees), "paper_healed_share": PAPER["healed_share"]}
     for name, prompts in (("with_critique", catpo.healing.prompts_path), ("without_critique", str(NO_CRITIQUE))):
         variant = dataclasses.replace(catpo, healing=dataclasses.replace(catpo.healing, prompts_path=prompts))
@@ -107,11 +105,11 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
     from treepo_ray.algo.informativeness import classify_tree, tree_informativeness
     from treepo_ray.algo.losses import LossConfig
     from treepo_ray.learner import Learner
-    from treepo_ray.runtime.batch import AlgoConfig, build_samples
+    from treepo_ray.learner.batch import samples_from_trees
 
     algo = AlgoConfig(name="treerpo", treerpo_prune_range=cfg.algo.treerpo_prune_range)
     scores = [tree_informativeness(t) for t in trees]
-    groups = [build_samples([t], algo) for t in trees]  # weight 1: the unweighted TreeRPO loss
+    groups = [samples_from_trees([t], algo.advantages([t])) for t in trees]  # weight 1: the unweighted TreeRPO loss
     loss = LossConfig(clip_low=cfg.learner.loss.clip_low, clip_high=cfg.learner.loss.clip_high,
                       aggregation=cfg.learner.loss.aggregation, kl_coef=0.0, entropy_coef=0.0)
     lcfg = dataclasses.replace(cfg.learner, loss=loss, use_ref_model=False, strategy="none")
@@ -131,9 +129,9 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
             "pairs": [[round(f, 6), round(n, 6)] for f, n in zip(F, norms)]}
 
 
-def train_run(pipe, records, cfg: TrainConfig, max_steps: int, token_budget: float | None = None) -> dict:
+def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: float | None = None) -> dict:
     """Train a fresh pipeline for `max_steps` steps, or until it has sampled `token_budget` tokens."""
-    from treepo_ray.runtime.pipeline import PromptStream
+    from treepo_ray.data.prompts import PromptStream
 
     rows: list[dict] = []
     tokens = 0.0
@@ -149,7 +147,7 @@ def train_run(pipe, records, cfg: TrainConfig, max_steps: int, token_budget: flo
         return token_budget is None or tokens < token_budget
 
     t0 = time.perf_counter()
-    done = pipe.train(0, max_steps, PromptStream(records, cfg.trainer.seed, cfg.data.shuffle), on_step)
+    done = pipe.train(0, max_steps, PromptStream(prompts, cfg.trainer.seed, cfg.data.shuffle), on_step)
     train_s = time.perf_counter() - t0
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
     out = {"steps": done, "sampled_tokens": tokens, "train_s": train_s,
@@ -176,20 +174,16 @@ def train_run(pipe, records, cfg: TrainConfig, max_steps: int, token_budget: flo
 
 
 def run(cfg: TrainConfig, steps: int, h1_trees: int) -> dict:
-    from transformers import AutoTokenizer
-
     from treepo_ray import config as config_io
-    from treepo_ray.runtime.pipeline import Pipeline, PromptStream
-    from treepo_ray.runtime.train import init_ray, load_task, resolve_model
+    from treepo_ray.data.prompts import PromptStream
+    from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.train import set_up
 
-    model_path = resolve_model(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    records, test_set = load_task(cfg, tokenizer)
-    test_set = test_set[: cfg.trainer.eval_size]
+    job = set_up(cfg)
+    model_path, tokenizer, records, test_set = job.model_path, job.tokenizer, job.train_set, job.test_set
     tr = cfg.trainer
     eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
                      samples=tr.eval_samples, temperature=tr.eval_temperature)
-    init_ray(cfg)
     result: dict = {"model": model_path, "eval_problems": len(test_set),
                     "eval": f"pass@1: mean of {tr.eval_samples} answers per problem at temperature "
                             f"{tr.eval_temperature}, fixed seeds", "prompts_per_step": tr.prompts_per_step}
@@ -249,28 +243,22 @@ def summary(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m treepo_ray.runtime.catpo_bench",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default=str(DEFAULT), help="YAML config (default: catpo_cpu.yaml)")
-    ap.add_argument("--steps", type=int, default=0, help="CATPO training steps (default: trainer.steps)")
-    ap.add_argument("--h1-trees", type=int, default=64, help="trees of the H1 correlation check")
-    ap.add_argument("--json", default=None, help="write the figures here as JSON")
-    args, overrides = ap.parse_known_args(argv)
-    if "=" in args.config:
-        overrides, args.config = [args.config, *overrides], str(DEFAULT)
+    def flags(ap) -> None:
+        ap.add_argument("--steps", type=int, default=0, help="CATPO training steps (default: trainer.steps)")
+        ap.add_argument("--h1-trees", type=int, default=64, help="trees of the H1 correlation check")
+
+    parsed = parse_job_args(argv, "catpo", __doc__, flags, default_config=DEFAULT)
+    if isinstance(parsed, int):
+        return parsed
+    args, cfg = parsed
     if args.h1_trees < 3:
-        ap.error("--h1-trees must be >= 3")
-    try:
-        cfg = load_config(args.config, overrides)
-    except ValueError as err:
-        print(f"catpo_bench: {err}", file=sys.stderr)
+        print("treepo-ray bench catpo: --h1-trees must be >= 3", file=sys.stderr)
         return 2
     started = time.time()
     result = run(cfg, args.steps or cfg.trainer.steps, args.h1_trees)
-    result.update(config=args.config, overrides=overrides, wall_s=time.time() - started)
+    result.update(config=args.config, overrides=args.overrides, wall_s=time.time() - started)
     print(summary(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

@@ -1,60 +1,35 @@
-"""CATPO in the pipeline, the plain-Python parts (no Ray): phase 2 (score and classify each verified tree), the
-bookkeeping of phase 3 (what healing did), phase 4 (per-tree loss weights) and the per-step metrics.
+"""CATPO's plain parts: phase 2 (score and classify each verified tree), the bookkeeping of phase 3 (what healing
+did), phase 4 (per-tree loss weights) and the per-step metrics.
 
-CATPO (see DESIGN.md and papers/catpo.txt) samples TreeRPO trees. Right after a tree is verified, the scheduler
+CATPO (see DESIGN.md and papers/catpo.txt) samples TreeRPO trees. Right after a tree is verified, its scheduler
 calls `score_tree` (F(T) from the rollout's own log-probs, no extra forward pass) and, for a dead-wrong tree, the
-healer (runtime/healing.py); `score_tree` then runs again on the healed tree. The batch builder weights every
-tree's advantages by w(T) = F / mean F over the batch (`catpo_weights`).
+healer (runtime/healer.py); `score_tree` then runs again on the healed tree. Each tree's advantages are weighted by
+w(T) = F / mean F over the batch (`catpo_weights`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from treepo_ray.algo.informativeness import DEAD_WRONG, REGIMES, classify_tree, informativeness_weights, \
-    tree_informativeness
-from treepo_ray.healing.critique import HealingConfig
+from treepo_ray.algo.informativeness import (
+    DEAD_WRONG,
+    REGIMES,
+    classify_tree,
+    informativeness_weights,
+    tree_informativeness,
+)
 from treepo_ray.tree.tree import Tree
 
 
-@dataclass
-class CatpoConfig:
-    """CATPO's informativeness thresholds and healing (paper Tables 1 and 5); read only when algo.name=catpo."""
-
-    tau_low: float = 0.025
-    """F at or below this (with near-unanimous leaves) makes a tree dead-correct or dead-wrong."""
-    tau_high: float = 0.10
-    """F above this makes a tree informative; between the two it is stale."""
-    var_cut: float = 0.05
-    """Dead-tree variance cutoff: p (1 - p) below this counts as near-unanimous."""
-    heal: bool = True
-    """Phase 3: critique-guided healing of dead-wrong trees (off = score and weight only)."""
-    weighting: bool = True
-    """Phase 4: scale each tree's advantages by w(T) = F / mean F (off = TreeRPO's uniform weights)."""
-    healing: HealingConfig = field(default_factory=HealingConfig)
-    """Healing settings (k, temperatures, critique length, prompts file); step_len 0 = rollout.treerpo.step_len."""
-    heal_concurrency: int = 8
-    """Trees the healer actor heals at once (each mostly waits on the generator pool)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.tau_low <= self.tau_high:
-            raise ValueError(f"algo.catpo: need 0 <= tau_low ({self.tau_low}) <= tau_high ({self.tau_high})")
-        if not self.var_cut > 0:
-            raise ValueError(f"algo.catpo.var_cut = {self.var_cut}; it must be > 0")
-        if self.heal_concurrency < 1:
-            raise ValueError(f"algo.catpo.heal_concurrency = {self.heal_concurrency}; it must be >= 1")
-
-
-def score_tree(tree: Tree, cfg: CatpoConfig) -> dict:
-    """Phase 2: F(T), p and the regime of a verified tree, stored in tree.meta["catpo"] and returned.
+def score_tree(tree: Tree, tau_low: float, tau_high: float, var_cut: float) -> dict:
+    """Phase 2: F(T), p and the regime of a verified tree (thresholds of CATPO Table 1), stored in
+    tree.meta["catpo"] and returned.
 
     The first call records the sampled tree's figures ("F0", "p0", "regime0"); later calls (after healing) update
     only the current ones ("F", "p", "regime"), which the loss weights use (CATPO eq. 6 weights the healed tree).
     """
     F, p = tree_informativeness(tree)
-    regime = classify_tree(F, p, cfg.tau_low, cfg.tau_high, cfg.var_cut)
+    regime = classify_tree(F, p, tau_low, tau_high, var_cut)
     info = tree.meta.setdefault("catpo", {})
     if "F0" not in info:
         info.update(F0=F, p0=p, regime0=regime)

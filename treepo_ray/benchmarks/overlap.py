@@ -1,6 +1,6 @@
 """Does overlapping rollout and learning pay? Time per training step with max_staleness = 0 and = 1.
 
-    python -m treepo_ray.runtime.bench_overlap [config.yaml] [--steps N] [--rounds R] [--json PATH] [key=value ...]
+    treepo-ray bench overlap [config.yaml] [--steps N] [--rounds R] [--json PATH] [key=value ...]
 
 Both modes run in one invocation on one pipeline (the same actors, model, data), with one engine and one learner
 rank that each reserve one CPU and use one torch thread, so what differs is only whether the generation of batch
@@ -13,14 +13,12 @@ about the larger of the two.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.benchmarks.common import parse_job_args, write_json
+from treepo_ray.job.config import TrainConfig
 
 # One core per side: overlap, not extra hardware, is what is measured.
 FAIR = ["runtime.num_engines=1", "runtime.engine_cpus=1", "runtime.learner_ranks=1", "runtime.learner_cpus=1",
@@ -37,17 +35,13 @@ def summarise(rows: list[dict], staleness: int) -> dict:
 
 
 def run(cfg: TrainConfig, steps: int, rounds: int) -> dict:
-    from transformers import AutoTokenizer
+    from treepo_ray.data.prompts import PromptStream
+    from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.train import set_up
 
-    from treepo_ray.runtime.pipeline import Pipeline, PromptStream
-    from treepo_ray.runtime.train import init_ray, load_task, resolve_model
-
-    model_path = resolve_model(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    records, _ = load_task(cfg, tokenizer)
-    init_ray(cfg)
-    pipe = Pipeline(cfg, model_path, tokenizer)
-    stream = PromptStream(records, cfg.trainer.seed)
+    job = set_up(cfg)
+    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+    stream = PromptStream(job.train_set, cfg.trainer.seed)
     timed: dict[int, list[dict]] = {0: [], 1: []}
     done = 0
     try:
@@ -70,27 +64,21 @@ def run(cfg: TrainConfig, steps: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m treepo_ray.runtime.bench_overlap",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: jobs/configs/cpu.yaml)")
-    ap.add_argument("--steps", type=int, default=6, help="training steps per chunk (the first is not timed)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of the two modes")
-    ap.add_argument("--json", default=None, help="write the result here as JSON")
-    args, overrides = ap.parse_known_args(argv)
-    if "=" in args.config:
-        overrides, args.config = [args.config, *overrides], str(DEFAULT_CONFIG)
+    def flags(ap) -> None:
+        ap.add_argument("--steps", type=int, default=6, help="training steps per chunk (the first is not timed)")
+        ap.add_argument("--rounds", type=int, default=2, help="alternations of the two modes")
+
+    parsed = parse_job_args(argv, "overlap", __doc__, flags, after=FAIR)
+    if isinstance(parsed, int):
+        return parsed
+    args, cfg = parsed
     if args.steps < 2 or args.rounds < 1:
-        ap.error("--steps must be >= 2 and --rounds >= 1")
-    try:
-        cfg = load_config(args.config, overrides + FAIR)
-    except ValueError as err:
-        print(f"bench_overlap: {err}", file=sys.stderr)
+        print("treepo-ray bench overlap: --steps must be >= 2 and --rounds >= 1", file=sys.stderr)
         return 2
     started = time.time()
     result = run(cfg, args.steps, args.rounds)
     result["wall_s"] = time.time() - started
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Where a run's numbers go: console, `metrics.jsonl`, W&B (offline without a key), Ray dashboard gauges, a PNG.
+"""Where a run's numbers go: console, `metrics.jsonl`, W&B (offline without a key), a PNG, and any extra sink
+(the runtime adds Ray dashboard gauges).
 
 Metric names are grouped like cleanrl's (`rollout/…`, `tree/…`, `train/…`, `time/…`, `eval/…`). Every step's
 metrics are appended to `<run_dir>/metrics.jsonl` (the notebook and the curve read that file), and a sample of the
@@ -10,9 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # The metrics printed on the console line of each step (everything goes to the files, W&B and Ray).
 CONSOLE_KEYS = (
@@ -44,15 +45,17 @@ def _finite(metrics: dict) -> dict:
 class RunLogger:
     """Fans each step's metrics out to every sink; `close()` draws the training curve."""
 
-    def __init__(self, run_dir: Path, cfg: LogConfig, config_dict: dict, name: str, resume_step: int = 0):
+    def __init__(self, run_dir: Path, cfg: LogConfig, config_dict: dict, name: str, resume_step: int = 0,
+                 sinks: list[Callable[[dict], None]] | None = None):
+        """`sinks`: more places each step's finite metrics go (called with the {name: value} dict)."""
         self.run_dir, self.cfg = Path(run_dir), cfg
+        self.sinks = list(sinks or [])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.trees_path = self.run_dir / "trees.jsonl"
         if resume_step == 0:  # a fresh run starts fresh files; a resumed one appends
             for p in (self.metrics_path, self.trees_path):
                 p.unlink(missing_ok=True)
-        self._gauges: dict = {}
         self._wandb = None
         if cfg.wandb:
             if not os.environ.get("WANDB_API_KEY"):
@@ -69,22 +72,13 @@ class RunLogger:
             f.write(json.dumps({"step": step, **values}) + "\n")
         if self._wandb is not None:
             self._wandb.log(values, step=step)
-        if self.cfg.ray_metrics:
-            self._set_gauges(values)
+        for sink in self.sinks:
+            sink(values)
         every = self.cfg.console_every
         if every and step % every == 0:
             shown = [f"{k.split('/')[-1]}={values[k]:.3g}" for k in CONSOLE_KEYS if k in values]
             return f"step {step}: " + " ".join(shown)
         return ""
-
-    def _set_gauges(self, values: dict) -> None:
-        from ray.util.metrics import Gauge
-
-        for key, v in values.items():
-            name = "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)  # Prometheus names: [a-zA-Z_][a-zA-Z0-9_]*
-            if name not in self._gauges:
-                self._gauges[name] = Gauge(name, description=key)
-            self._gauges[name].set(v)
 
     def save_trees(self, step: int, trees: list[dict]) -> None:
         """Append tree dicts (Tree.to_dict plus decoded segment texts) of `step` to trees.jsonl."""

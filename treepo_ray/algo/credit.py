@@ -1,0 +1,103 @@
+"""Credit assignment over a batch of scored trees: each algorithm's advantages, DAPO's filter, the batch's statistics.
+
+Every algorithm starts from trees whose trajectory rewards are set (Tree.set_trajectory_rewards); i.i.d. sampling is
+a tree too (a root with G chains), so one code path serves all of them. The result is one advantage per trajectory
+(a number for its whole response, or one per response token), which the learner turns into training samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from treepo_ray.algo.advantages import dapo_keep_group, grpo_advantages, treepo_scores, whiten
+from treepo_ray.algo.treerpo import treerpo_advantages
+from treepo_ray.tree.tree import FINISH_REASONS, Tree
+
+ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
+
+Advantage = float | list[float]
+"""Of one trajectory: one number for its whole response, or one per response token."""
+
+
+def trajectory_rewards(tree: Tree) -> np.ndarray:
+    r = np.array([tree.reward[n] for n in tree.trajectories], dtype=np.float64)
+    if np.isnan(r).any():
+        raise ValueError(f"tree {tree.query_id!r}: trajectory {int(np.flatnonzero(np.isnan(r))[0])} has no reward")
+    return r
+
+
+def keep_tree(tree: Tree) -> bool:
+    """DAPO's filter (eq. 11): a prompt is kept only when its trajectories' rewards are not all equal."""
+    return dapo_keep_group(trajectory_rewards(tree))
+
+
+def tree_advantages(trees: list[Tree], algorithm: str, treepo_weighting: str = "average",
+                    whiten_by_tokens: bool = True, grpo_scale: bool = True,
+                    treerpo_prune_range: float = 0.1) -> list[list[Advantage]]:
+    """The advantage of every trajectory of every tree (`out[t][k]`: tree t's k-th trajectory).
+
+    treepo: TreePO eq. 5 numerator per prompt, then one whitening over the whole batch (weighted by tokens when
+    `whiten_by_tokens`, so the token-mean loss sees zero-mean unit-variance advantages). treerpo and catpo: every
+    token of a node's segment gets that node's sibling-relative advantage (CATPO's credit is TreeRPO's; its tree
+    weights are applied by the caller). grpo, dapo, treepo_flat: one flat group per prompt (Shao et al. 2024).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} is not one of {ALGORITHMS}")
+    if algorithm == "treepo":
+        scores, lengths = [], []
+        for tree in trees:
+            scores.append(treepo_scores(tree.trajectory_paths(), trajectory_rewards(tree), weighting=treepo_weighting))
+            lengths += [len(tree.response_ids(n)) for n in tree.trajectories]
+        flat = [s for per_tree in scores for s in per_tree]
+        if not flat:
+            return [[] for _ in trees]
+        adv = iter(whiten(flat, weights=lengths if whiten_by_tokens else None).tolist())
+        return [[next(adv) for _ in per_tree] for per_tree in scores]
+    if algorithm in ("treerpo", "catpo"):
+        return [_treerpo_token_advantages(tree, treerpo_prune_range) for tree in trees]
+    return [grpo_advantages(trajectory_rewards(tree), scale=grpo_scale).tolist() for tree in trees]
+
+
+def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float]]:
+    """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
+    rewards = np.array(tree.reward, dtype=np.float64)
+    on_path = sorted({n for p in tree.trajectory_paths() for n in p} | {0})
+    if np.isnan(rewards[on_path]).any():
+        raise ValueError(f"tree {tree.query_id!r}: a node on a trajectory has no propagated reward")
+    rewards = np.nan_to_num(rewards, nan=0.0)  # nodes off every trajectory are never trained
+    adv, mask = treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
+    node_adv = np.where(mask, adv, 0.0)
+    return [[float(node_adv[n]) for n in tree.path(end) for _ in tree.tokens[n]] for end in tree.trajectories]
+
+
+def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
+    """Rollout and tree statistics of a batch (reward, accuracy, lengths, depth, branching, early stops, sharing)."""
+    if not trees:
+        return {}
+    rewards = np.concatenate([trajectory_rewards(t) for t in trees])
+    lengths = [len(t.response_ids(n)) for t in trees for n in t.trajectories]
+    # Tokens of the distinct nodes on trajectories: what was generated for them with a perfect prefix cache.
+    generated = sum(sum(len(t.tokens[n]) for n in {n for p in t.trajectory_paths() for n in p}) for t in trees)
+    path_tokens = sum(lengths)
+    out = {
+        "rollout/reward": float(rewards.mean()) if rewards.size else math.nan,
+        "rollout/accuracy": float((rewards >= correct_threshold).mean()) if rewards.size else math.nan,
+        "rollout/response_len": float(np.mean(lengths)) if lengths else math.nan,
+        "rollout/trajectories": float(len(lengths)),
+        "rollout/prompts": float(len(trees)),
+        "rollout/mixed_groups": float(np.mean([keep_tree(t) for t in trees])),
+        "tree/nodes": float(np.mean([len(t) for t in trees])),
+        "tree/depth_max": float(max(max(t.depth) for t in trees)),
+        "tree/depth_mean": float(np.mean([max(t.depth) for t in trees])),
+        # Share of trajectory tokens that were not generated separately because a prefix was shared.
+        "tree/shared_prefix_share": 1.0 - generated / path_tokens if path_tokens else 0.0,
+        "tree/unique_tokens": float(sum(t.unique_tokens() for t in trees)),
+    }
+    growth = [t.meta.get("growth", {}) for t in trees]
+    for key in ("branches", "fallbacks", "surplus_dropped"):
+        out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
+    for reason in FINISH_REASONS[1:]:
+        out[f"tree/stop_{reason}"] = float(sum(g.get(f"finish/{reason}", 0) for g in growth))
+    return out

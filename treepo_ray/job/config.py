@@ -1,0 +1,389 @@
+"""The training job's configuration: the layers' own config dataclasses, composed, plus what the job itself decides
+(algorithm, resources, fault handling, staleness, steps, checkpoints).
+
+Defaults of each layer live with that layer (tree growers, learner, loss, datasets, healing); this file holds the
+rest. YAML files under jobs/configs/ set any subset; `key.sub=value` arguments override them (treepo_ray/config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from treepo_ray import config as config_io
+from treepo_ray.algo.catpo import score_tree
+from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
+from treepo_ray.data.datasets import DatasetConfig
+from treepo_ray.healing.critique import HealingConfig
+from treepo_ray.job.logs import LogConfig
+from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
+
+# The CPU demo configuration `treepo-ray train` runs when given no YAML file.
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "jobs" / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "cpu.yaml"
+
+
+# ---------------------------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class CatpoConfig:
+    """CATPO's informativeness thresholds and healing (paper Tables 1 and 5); read only when algo.name=catpo."""
+
+    tau_low: float = 0.025
+    """F at or below this (with near-unanimous leaves) makes a tree dead-correct or dead-wrong."""
+    tau_high: float = 0.10
+    """F above this makes a tree informative; between the two it is stale."""
+    var_cut: float = 0.05
+    """Dead-tree variance cutoff: p (1 - p) below this counts as near-unanimous."""
+    heal: bool = True
+    """Phase 3: critique-guided healing of dead-wrong trees (off = score and weight only)."""
+    weighting: bool = True
+    """Phase 4: scale each tree's advantages by w(T) = F / mean F (off = TreeRPO's uniform weights)."""
+    healing: HealingConfig = field(default_factory=HealingConfig)
+    """Healing settings (k, temperatures, critique length, prompts file); step_len 0 = rollout.treerpo.step_len."""
+    heal_concurrency: int = 8
+    """Trees the healer actor heals at once (each mostly waits on the generator pool)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tau_low <= self.tau_high:
+            raise ValueError(f"algo.catpo: need 0 <= tau_low ({self.tau_low}) <= tau_high ({self.tau_high})")
+        if not self.var_cut > 0:
+            raise ValueError(f"algo.catpo.var_cut = {self.var_cut}; it must be > 0")
+        if self.heal_concurrency < 1:
+            raise ValueError(f"algo.catpo.heal_concurrency = {self.heal_concurrency}; it must be >= 1")
+
+    def score(self, tree) -> dict:
+        """CATPO phase 2 for one verified tree with these thresholds (algo/catpo.py: score_tree)."""
+        return score_tree(tree, self.tau_low, self.tau_high, self.var_cut)
+
+
+# Each algorithm's own policy loss (its paper's setting), applied under anything a YAML file or the command line
+# sets in learner.loss (see load_config). GRPO: Shao et al. 2024 (PPO clip, per-sequence mean,
+# KL to the reference); DAPO: Yu et al. 2025 (clip-higher, token-level mean, no KL), which TreePO adopts;
+# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B).
+_PPO_KL = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"}
+_DAPO = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0}
+LOSS_PRESETS = {
+    "grpo": {**_PPO_KL, "aggregation": "seq-mean"},
+    "dapo": _DAPO, "treepo": _DAPO, "treepo_flat": _DAPO,
+    "treerpo": _PPO_KL, "catpo": _PPO_KL,
+}
+
+DYNAMIC_SAMPLING_BY_DEFAULT = ("dapo", "treepo", "treepo_flat")
+
+# Which grower config an algorithm samples with.
+SAMPLER_OF = {"grpo": "sequential", "dapo": "sequential", "treepo": "treepo", "treepo_flat": "treepo",
+              "treerpo": "treerpo", "catpo": "treerpo"}
+
+
+@dataclass
+class AlgoConfig:
+    """Which algorithm runs, and its credit-assignment knobs (the loss lives in learner.loss)."""
+
+    name: str = "treepo"
+    """grpo | dapo | treepo | treepo_flat (tree sampling, flat GRPO advantage) | treerpo | catpo (TreeRPO trees,
+    scored, healed and weighted: algo/catpo.py)."""
+    dynamic_sampling: bool | None = None
+    """DAPO dynamic sampling: drop prompts whose trajectories all got the same reward, refill from new prompts.
+    None = the algorithm's own: on for dapo, treepo and treepo_flat (TreePO trains with DAPO's protocol; a group
+    without signal would only shift the batch whitening), off for grpo and treerpo."""
+    oversample: float = 1.0
+    """With dynamic sampling: prompts grown per round as a multiple of trainer.prompts_per_step (DAPO/TreePO: 3)."""
+    max_extra_rounds: int = 2
+    """With dynamic sampling: at most this many extra rounds when too few prompts kept (then train on what is kept)."""
+    treepo_weighting: str = "average"
+    """TreePO subgroup aggregation: 'average' (paper default) or 'size'."""
+    whiten_by_tokens: bool = True
+    """TreePO: batch whitening weighted by each trajectory's token count (False = one weight per trajectory)."""
+    grpo_scale: bool = True
+    """GRPO/DAPO/treepo_flat: divide by the group's std (False = only subtract the mean, Dr. GRPO style)."""
+    treerpo_prune_range: float = 0.1
+    """TreeRPO: a sibling group takes part only if its reward range reaches this (tau_prune)."""
+    loss_preset: bool = True
+    """Start learner.loss from the algorithm's own loss (LOSS_PRESETS); keys set in learner.loss by a YAML file or
+    the command line still win. False = learner.loss's plain defaults."""
+    correct_threshold: float = 1.0
+    """A trajectory counts as correct (accuracy metrics) when its reward is at least this."""
+    catpo: CatpoConfig = field(default_factory=CatpoConfig)
+    """CATPO: informativeness thresholds, healing, loss weights (used when name = catpo)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algo.name = {self.name!r}; choose one of {ALGORITHMS}")
+        if self.oversample < 1.0:
+            raise ValueError(f"algo.oversample = {self.oversample}; it must be >= 1")
+        if self.max_extra_rounds < 0:
+            raise ValueError(f"algo.max_extra_rounds = {self.max_extra_rounds}; it must be >= 0")
+
+    @property
+    def sampler(self) -> str:
+        return SAMPLER_OF[self.name]
+
+    @property
+    def filters_groups(self) -> bool:
+        """Whether DAPO dynamic sampling is on (dynamic_sampling, or the algorithm's default when None)."""
+        if self.dynamic_sampling is None:
+            return self.name in DYNAMIC_SAMPLING_BY_DEFAULT
+        return self.dynamic_sampling
+
+    def advantages(self, trees: list) -> list:
+        """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py)."""
+        return tree_advantages(trees, self.name, self.treepo_weighting, self.whiten_by_tokens, self.grpo_scale,
+                               self.treerpo_prune_range)
+
+
+# ---------------------------------------------------------------------------------------------- runtime
+
+KILL_MODES = ("ray", "signal", "alternate")
+
+
+@dataclass
+class FaultConfig:
+    """How the run survives lost actors and bad values."""
+
+    max_learner_restarts: int = 3
+    """A lost learner is rebuilt from the newest checkpoint at most this many times per run (then the run fails)."""
+    max_resends: int = 16
+    """A tree's requests are sent again to another engine at most this many times per call (engine losses)."""
+    engine_wait_s: float = 900.0
+    """A scheduler that has no live engine waits this long for a replacement before failing the run."""
+    verifier_retries: int = 2
+    """A scoring call that fails (verifier lost) or times out is retried this many times on the next verifier;
+    after that its solutions are scored as failures (the rewards layer's wrong score), with the reason logged."""
+    verifier_call_timeout_s: float = 120.0
+    """One scoring call longer than this is abandoned, its verifier restarted, and the call retried."""
+    learner_ping_s: float = 30.0
+    """When the loop fails, a learner rank that does not answer a ping within this long counts as lost."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_learner_restarts", "max_resends", "verifier_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be >= 0")
+        for name in ("engine_wait_s", "verifier_call_timeout_s", "learner_ping_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be > 0")
+
+
+@dataclass
+class ElasticConfig:
+    """The generator pool's size: runtime.num_engines is the floor, max_engines the ceiling."""
+
+    max_engines: int = 0
+    """Add engines, up to this many, whenever Ray reports room for one more (a node joined); 0 = num_engines
+    (no growth past the configured size; lost engines are still replaced)."""
+    poll_s: float = 0.5
+    """How often the pool looks for dead engines, engines ready to join, and new room."""
+    startup_timeout_s: float = 600.0
+    """At start, wait this long for the first num_engines engines (the run needs at least one)."""
+
+    def __post_init__(self) -> None:
+        if self.max_engines < 0:
+            raise ValueError(f"runtime.elastic.max_engines = {self.max_engines}; it must be >= 0")
+        if self.poll_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError("runtime.elastic.poll_s and startup_timeout_s must be > 0")
+
+
+@dataclass
+class ChaosConfig:
+    """Deliberate faults, to rehearse recovery by hand (off by default)."""
+
+    kill_generator_every: float = 0.0
+    """Kill one live engine actor every this many SECONDS of wall time while training runs (0 = off). Seconds, not
+    steps: a kill then lands in the middle of a segment, where it tests the re-sending, not between batches."""
+    how: str = "alternate"
+    """'ray' (ray.kill), 'signal' (SIGKILL to the actor's process) or 'alternate' (one, then the other)."""
+    seed: int = 0
+    """Seed of which engine is killed."""
+    kill_learner_after_step: int = 0
+    """SIGKILL learner rank 0 once, right after this training step is logged and checkpointed (0 = off): the run
+    rebuilds the learner from the newest checkpoint and trains the steps after it again."""
+
+    def __post_init__(self) -> None:
+        if self.kill_learner_after_step < 0:
+            raise ValueError(f"runtime.chaos.kill_learner_after_step = {self.kill_learner_after_step}; it must be >= 0")
+        if self.kill_generator_every < 0:
+            raise ValueError(f"runtime.chaos.kill_generator_every = {self.kill_generator_every}; it must be >= 0")
+        if self.how not in KILL_MODES:
+            raise ValueError(f"runtime.chaos.how = {self.how!r}; it must be one of {KILL_MODES}")
+
+
+# ---------------------------------------------------------------------------------------------- the job
+
+
+@dataclass
+class ModelConfig:
+    """The policy model and the engine that samples from it."""
+
+    path: str = ""
+    """Hugging Face model directory; empty = the tiny base model of the synthetic task (built once, cached)."""
+    cache_dir: str = ".cache/treepo-ray"
+    """Where the tiny base model and the synthetic data are cached."""
+    engine: str = "hf"
+    """Generation backend (treepo_ray.engines.make_engine): 'hf' or 'vllm'."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of the engine's constructor."""
+
+
+@dataclass
+class DataConfig:
+    """The prompts: the synthetic task, or local dataset files (see treepo_ray.data.load_records)."""
+
+    name: str = "synthetic"
+    """'synthetic' (the built-in addition task), a folder with train/test files, 'train.jsonl,test.jsonl', or one
+    file (then nothing is held out)."""
+    seed: int = 0
+    """Seed of the synthetic task's problems and of the base model's pretraining."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch (deterministically from trainer.seed and the epoch)."""
+    prompt: DatasetConfig = field(default_factory=DatasetConfig)
+    """How rows become prompts (chat template, length limit, bad rows)."""
+
+
+@dataclass
+class RolloutConfig:
+    """How trees (or i.i.d. groups) are sampled; algo.name picks which grower config is used."""
+
+    temperature: float = 1.0
+    """Sampling temperature (TreePO: 1.0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    treepo: TreePOConfig = field(default_factory=TreePOConfig)
+    """TreePO tree sampler (algo treepo, treepo_flat)."""
+    treerpo: TreeRPOConfig = field(default_factory=TreeRPOConfig)
+    """TreeRPO N-ary tree sampler (algo treerpo)."""
+    sequential: SequentialConfig = field(default_factory=SequentialConfig)
+    """i.i.d. sampler (algo grpo, dapo)."""
+
+    def sampler_config(self, sampler: str):
+        return getattr(self, sampler)
+
+
+@dataclass
+class RuntimeConfig:
+    """Actors, resources and the asynchrony bound."""
+
+    address: str = ""
+    """Ray cluster to join ('auto', 'ray://host:10001'); empty = RAY_ADDRESS if set, else a new local Ray."""
+    num_cpus: int = 0
+    """CPUs of a new local Ray (0 = all of this machine's)."""
+    max_staleness: int = 1
+    """Generators run weights at most this many versions behind the learner (0 = fully synchronous)."""
+    num_engines: int = 1
+    """Engine actors in the generator pool."""
+    engine_cpus: float = 1.0
+    """CPUs reserved by each engine actor."""
+    engine_gpus: float = 0.0
+    """GPUs reserved by each engine actor."""
+    engine_resources: dict = field(default_factory=dict)
+    """Custom Ray resources of each engine actor (e.g. {generator_gpu: 1} to land on generator nodes)."""
+    num_schedulers: int = 1
+    """Tree scheduler actors (prompts are sharded over them)."""
+    num_verifiers: int = 1
+    """Verifier actors (CPU)."""
+    verifier_cpus: float = 0.0
+    """CPUs reserved by each verifier actor (0 = share the machine; verification is light)."""
+    verifier_timeout_s: float = 5.0
+    """Per-solution time limit of the verifier."""
+    learner_ranks: int = 1
+    """Learner ranks (processes joined by torch.distributed)."""
+    learner_cpus: float = 1.0
+    """CPUs reserved by each learner rank."""
+    learner_gpus: float = 0.0
+    """GPUs reserved by each learner rank."""
+    learner_resources: dict = field(default_factory=dict)
+    """Custom Ray resources of each learner rank (e.g. {learner_gpu: 1})."""
+    torch_threads: int = 1
+    """torch threads of each engine and learner actor."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Lost actors and bad values: learner restarts, re-sent requests, verifier retries."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Generator pool size between num_engines and elastic.max_engines, following the cluster."""
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Deliberate engine kills, to rehearse recovery (off by default)."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"runtime.max_staleness = {self.max_staleness}; it must be >= 0")
+        for name in ("num_engines", "num_schedulers", "num_verifiers", "learner_ranks", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"runtime.{name} = {getattr(self, name)}; it must be >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    """Steps, batch size, evaluation and checkpoints."""
+
+    steps: int = 100
+    """Training steps (one learner update of one batch each)."""
+    prompts_per_step: int = 32
+    """Prompts whose trees make one training batch."""
+    seed: int = 0
+    """Seed of the prompt order and of every tree's sampling."""
+    run_dir: str = ""
+    """Run directory (metrics, trees, checkpoints, summary); empty = runs/<algo>-<timestamp>."""
+    resume: str = ""
+    """'' = fresh run; 'auto' = the latest checkpoint of run_dir (or of the newest runs/<algo>-*); or a path."""
+    save_every: int = 50
+    """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many checkpoints; older ones are deleted."""
+    eval_size: int = 500
+    """Held-out problems evaluated before training and at the end (0 = no evaluation)."""
+    eval_samples: int = 4
+    """Answers sampled per held-out problem; accuracy is pass@1, their mean (1 answer when greedy)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of evaluation (0 = greedy decoding)."""
+    eval_every: int = 0
+    """Also evaluate every this many steps during training (0 = only before and after)."""
+    eval_max_new_tokens: int = 0
+    """Answer length cap in evaluation (0 = the sampler's response limit)."""
+    stop_after: int = 0
+    """Stop (checkpoint and exit) after this many steps of this invocation, as if interrupted (0 = run to the end)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} = {getattr(self, name)}; it must be >= 1")
+        if self.resume not in ("", "auto") and not Path(self.resume).exists():
+            raise ValueError(f"trainer.resume = {self.resume!r} is neither '', 'auto' nor an existing checkpoint")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `treepo-ray train` reads."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm and credit assignment."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model and engine."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Optimiser and loss."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Actors and asynchrony."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, evaluation, checkpoints."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Logging sinks."""
+
+    @property
+    def sampler_config(self):
+        return self.rollout.sampler_config(self.algo.sampler)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors name the file and key.
+    The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly."""
+    args = config_io.read_file_overrides(TrainConfig, path) + list(overrides or [])
+    cfg = config_io.load(TrainConfig, None, args)
+    if not cfg.algo.loss_preset:
+        return cfg
+    preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+    return config_io.load(TrainConfig, None, preset + args)

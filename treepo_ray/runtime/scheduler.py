@@ -1,0 +1,80 @@
+"""The tree scheduler actor: grows and scores the trees of a shard of prompts, each tree at its own pace.
+
+For each prompt it runs a grower (tree/), sends every ask the tree has ready to the generator pool at once (engines
+batch them with everyone else's), hands results back to the grower, and when the tree is done verifies its
+trajectories and, under CATPO, scores and heals it. It owns the tree state, so it lives on the driver's node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from treepo_ray.data.prompts import Prompt
+from treepo_ray.engines.base import SamplingParams
+from treepo_ray.engines.decode import safe_decode
+from treepo_ray.engines.driver import TreeTracker
+from treepo_ray.runtime.healer import score_and_heal
+from treepo_ray.runtime.pool import GeneratorPool
+from treepo_ray.runtime.verifier import VerifierPool
+from treepo_ray.tree import SequentialGrower, Tree, TreePOGrower, TreeRPOGrower
+
+GROWERS = {"sequential": SequentialGrower, "treepo": TreePOGrower, "treerpo": TreeRPOGrower}
+
+
+@ray.remote
+class TreeScheduler:
+    """Grows and scores the trees of the prompts it is given (one grower per prompt, all concurrently)."""
+
+    def __init__(self, pool: GeneratorPool, verifiers: VerifierPool, model_path: str, sampler: str,
+                 sampler_cfg, sampling: SamplingParams, catpo=None, healer=None):
+        from transformers import AutoTokenizer
+
+        if sampler not in GROWERS:
+            raise ValueError(f"sampler {sampler!r} is not one of {sorted(GROWERS)}")
+        self.pool, self.verifiers = pool, verifiers
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.grower_cls, self.sampler_cfg = GROWERS[sampler], sampler_cfg
+        self.tracker = TreeTracker(sampling)  # asks <-> engine requests, with each node's engine cache key
+        self.catpo, self.healer = catpo, healer  # CatpoConfig and HealerActor of a CATPO run, else None
+
+    def decode(self, ids: list[int]) -> str:
+        return safe_decode(self.tokenizer, ids, skip_special_tokens=True)  # a bad model output must not raise
+
+    async def grow(self, prompts: list[Prompt]) -> list[Tree]:
+        """Trees of `prompts` (ids unique over the run) with their rewards set, grown concurrently: a tree branches
+        as soon as its own paths are back."""
+        return list(await asyncio.gather(*(self._grow_one(p) for p in prompts)))
+
+    async def _grow_one(self, prompt: Prompt) -> Tree:
+        qid = prompt.id
+        tree = Tree(prompt_ids=list(prompt.prompt_ids), query_id=qid)
+        grower = self.grower_cls(tree, self.sampler_cfg, eos_token_id=self.tokenizer.eos_token_id,
+                                 decode=self.decode, seed=prompt.seed)
+        pending: set[asyncio.Future] = set()
+        try:
+            while True:
+                requests = self.tracker.to_requests(grower)
+                if requests:  # every ask the tree has ready goes out now, in one call
+                    pending.add(asyncio.ensure_future(self.pool.generate(qid, requests)))
+                if not pending:
+                    break
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    for result in fut.result():
+                        self.tracker.deliver(result)
+        finally:
+            for fut in pending:
+                fut.cancel()
+            if not pending:
+                self.pool.finish(qid, self.tracker.release(grower))
+        if not grower.done():
+            raise RuntimeError(f"the grower of {qid!r} stopped asking before its tree was done")
+        solutions = [self.decode(tree.response_ids(n)) for n in tree.trajectories]
+        triples = [(prompt.data_source, s, prompt.ground_truth) for s in solutions]
+        tree.set_trajectory_rewards(await self.verifiers.score(triples) if triples else [])
+        tree.meta.update(ground_truth=prompt.ground_truth, data_source=prompt.data_source)
+        if self.catpo is not None:  # CATPO phases 2-3: score the tree, heal it if dead-wrong (healer.py)
+            tree = await score_and_heal(tree, self.catpo, self.healer, prompt.seed)
+        return tree
