@@ -88,9 +88,7 @@ def h2_check(pipe, trees, cfg: TrainConfig, model_path: str) -> dict:
         try:
             healed = asyncio.run(heal_all())
         finally:
-            import ray
-
-            ray.kill(healer)
+            healer.__ray_terminate__.remote()  # end the actor (this module stays free of Ray itself)
         heals = [t.meta["catpo"].get("heal", {}) for t in healed]
         ok = sum(h.get("correct", 0) > 0 for h in heals)
         out[name] = {"healed": ok, "healed_share": ok / len(dead) if dead else math.nan,
