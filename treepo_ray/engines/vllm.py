@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from treepo_ray.engines.base import Segment, SegmentRequest, SegmentResult
+from treepo_ray.engines.base import SegmentRequest, SegmentResult
+from treepo_ray.tree import Segment
 
 # vLLM is imported lazily (in VLLMEngine.__init__): the CPU build must see VLLM_ENABLE_V1_MULTIPROCESSING before
 # it builds its config, and importing this module must not need vLLM (the main environment has none).
