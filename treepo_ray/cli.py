@@ -8,7 +8,7 @@ import sys
 COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
     "eval": ("treepo_ray.data.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset"),
-    "bench": ("treepo_ray.engines.bench", "tree vs sequential sampling throughput on one engine"),
+    "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling throughput on one engine"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
     "viz": ("treepo_ray.runtime.viz", "render a run's saved trees as a self-contained HTML page"),
 }

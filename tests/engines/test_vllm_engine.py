@@ -16,6 +16,7 @@ import math
 import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed here (build .venv-vllm with scripts/setup_vllm.sh)")
+pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
