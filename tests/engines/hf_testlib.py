@@ -1,8 +1,7 @@
-"""The real tiny models the HF engine tests run on, built offline once per test session."""
+"""What the HF engine tests share: building their tiny models, and the Hugging Face model's own log-probs."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -14,9 +13,11 @@ SMALL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num
                         max_positions=256, seed=1)
 
 
-def _spread_weights(path: Path, seed: int, padded_vocab: int | None = None) -> None:
-    """Re-draw the weights larger: the default init (std 0.02, tied embedding) only ever repeats its last token,
-    which would make greedy and sampling tests pass vacuously."""
+def build(path: Path, padded_vocab: int | None = None, seed: int = 3) -> Path:
+    """The SMALL tiny Qwen2 with its weights re-drawn larger: the default init (std 0.02, tied embedding) only ever
+    repeats its last token. `padded_vocab`: pad the embedding to that many rows, with large padding rows whose
+    logits would win almost every draw if the engine did not drop them."""
+    build_tiny_model(path, SMALL)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if padded_vocab is not None:
         model.resize_token_embeddings(padded_vocab, mean_resizing=False)
@@ -26,18 +27,9 @@ def _spread_weights(path: Path, seed: int, padded_vocab: int | None = None) -> N
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
         if padded_vocab is not None:
-            # Large padding rows: their logits would win almost every draw if the engine did not drop them.
             emb = model.get_input_embeddings().weight
             emb[258:] = torch.randn(emb[258:].shape, generator=gen) * 20.0
     model.save_pretrained(path)
-
-
-@functools.cache
-def build(root: str, name: str) -> Path:
-    """`small`: a 2-layer Qwen2 (GQA 4:2); `padded`: the same shape with an embedding padded to 300 rows."""
-    path = Path(root) / f"hf_engine_{name}"
-    build_tiny_model(path, SMALL)
-    _spread_weights(path, seed=3, padded_vocab=300 if name == "padded" else None)
     return path
 
 

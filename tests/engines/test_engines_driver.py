@@ -1,14 +1,15 @@
-"""The tree driver: real growers on the real HF engine and tiny model."""
+"""The tree driver: the tracker's routing on hand-made results, then real growers on the real HF engine."""
 
 from __future__ import annotations
 
 import pytest
-from hf_testlib import build, hf_logprobs, hf_model
+from hf_testlib import hf_logprobs
 
 from treepo_ray.engines.base import SamplingParams, SegmentResult
 from treepo_ray.engines.driver import TreeTracker, grow
 from treepo_ray.engines.hf import HFEngine
 from treepo_ray.tree import (
+    Segment,
     SequentialConfig,
     SequentialGrower,
     Tree,
@@ -25,14 +26,9 @@ def decode(ids: list[int]) -> str:
     return "".join(chr(40 + t % 80) for t in ids)
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build(str(tmp_path_factory.getbasetemp()), "small")
-
-
-def treepo(i: int, prompt: list[int], **kw) -> TreePOGrower:
-    cfg = TreePOConfig(width=8, max_depth=4, segment_len=5, repetition_substr_len=0, **kw)
-    return TreePOGrower(Tree(list(prompt), query_id=f"q{i}"), cfg, eos_token_id=-1, decode=decode, seed=i)
+def treepo(i: int, prompt: list[int], query_id: str | None = None) -> TreePOGrower:
+    cfg = TreePOConfig(width=8, max_depth=4, segment_len=5, repetition_substr_len=0)
+    return TreePOGrower(Tree(list(prompt), query_id=query_id or f"q{i}"), cfg, eos_token_id=-1, decode=decode, seed=i)
 
 
 def expected_forward_tokens(growers) -> int:
@@ -46,7 +42,52 @@ def expected_forward_tokens(growers) -> int:
     return total
 
 
-def test_treepo_trees_cost_exactly_their_unique_tokens(model_dir):
+def segments(request, version: int = 0) -> SegmentResult:
+    """A made-up result for `request`: child j is j + 1 tokens long and cached under a key naming it."""
+    rid = request.request_id
+    kids = [Segment([7] * (j + 1), [-0.5] * (j + 1), "length", f"{rid}/key{j}") for j in range(request.n)]
+    return SegmentResult(rid, kids, version)
+
+
+def test_tracker_maps_asks_to_requests_and_results_back():
+    tracker = TreeTracker(SamplingParams(temperature=0.7, top_p=0.9))
+    # Same prompt and same query id: the growers' ask ids are equal, the engine request ids must not be.
+    a, b = treepo(0, PROMPTS[0]), treepo(1, PROMPTS[0], query_id="q0")
+    ra, rb = tracker.to_requests(a), tracker.to_requests(b)
+    assert tracker.to_requests(a) == []  # each ask is sent once
+    assert len(ra) == len(rb) == 1 and ra[0].request_id != rb[0].request_id and tracker.open_requests() == 2
+    assert ra[0].prefix_ids == PROMPTS[0] and ra[0].parent_key is None and ra[0].n == 2
+    assert ra[0].params.temperature == 0.7 and ra[0].params.top_p == 0.9 and ra[0].params.seed is not None
+    with pytest.raises(ValueError, match="open requests"):
+        tracker.release(a)
+    # b's answer first: each result reaches the grower that asked, whatever the order.
+    grower, nodes = tracker.deliver(segments(rb[0], version=2))
+    assert grower is b and nodes == [1, 2] and b.tree.tokens[1:] == [[7], [7, 7]] and len(a.tree) == 1
+    first = segments(ra[0])
+    grower, nodes = tracker.deliver(first)
+    assert grower is a and nodes == [1, 2]
+    assert [a.tree.tokens[n] for n in nodes] == [c.token_ids for c in first.children]
+    assert a.tree.meta["weights_version"] == 0 and b.tree.meta["weights_version"] == 2
+    # Follow-up asks continue nodes 1 and 2 from the cache keys the engine returned for them.
+    key_of = {tuple(a.tree.prefix_ids(n)): c.cache_key for n, c in zip(nodes, first.children)}
+    follow = tracker.to_requests(a)
+    assert len(follow) == 2 and all(key_of[tuple(r.prefix_ids)] == r.parent_key for r in follow)
+    with pytest.raises(ValueError, match="unknown request"):
+        tracker.deliver(SegmentResult("nope", []))
+    with pytest.raises(ValueError, match="unknown request"):
+        tracker.deliver(first)  # delivered once only
+    results = [first] + [segments(r) for r in follow]
+    for r in results[1:]:
+        tracker.deliver(r)
+    assert sorted(tracker.release(a)) == sorted(c.cache_key for r in results for c in r.children)
+    assert tracker.release(a) == [] and tracker.open_requests() == 0
+
+
+# ---- on the real engine ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_treepo_trees_cost_exactly_their_unique_tokens(model_dir, hf):
     engine = HFEngine(model_dir, num_threads=1)
     growers = [treepo(i, p) for i, p in enumerate(PROMPTS)]
     done = []
@@ -61,7 +102,6 @@ def test_treepo_trees_cost_exactly_their_unique_tokens(model_dir):
     # Every finished tree's keys were released.
     assert engine.stats()["cache_entries"] == 0 and engine.stats()["running"] == 0
     # Token log-probs along a whole trajectory are the HF model's own.
-    hf = hf_model(model_dir)
     tree = growers[1].tree
     node = tree.trajectories[-1]
     ids = tree.prefix_ids(node)
@@ -71,6 +111,7 @@ def test_treepo_trees_cost_exactly_their_unique_tokens(model_dir):
     assert tree.response_logprobs(node) == pytest.approx(expect, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_growth_is_reproducible_and_sequential_and_treerpo_work_too(model_dir):
     engine = HFEngine(model_dir, num_threads=1)
     params = SamplingParams(temperature=1.0)
@@ -92,28 +133,3 @@ def test_growth_is_reproducible_and_sequential_and_treerpo_work_too(model_dir):
     assert engine.stats()["cache_entries"] == 0
 
 
-def test_tracker_maps_asks_to_requests_and_results_back(model_dir):
-    engine = HFEngine(model_dir, num_threads=1)
-    tracker = TreeTracker(SamplingParams(temperature=0.7, top_p=0.9))
-    a, b = treepo(0, PROMPTS[0]), treepo(1, PROMPTS[0])  # same prompt, same query-relative ask ids
-    ra, rb = tracker.to_requests(a), tracker.to_requests(b)
-    assert tracker.to_requests(a) == []  # each ask is sent once
-    assert ra[0].request_id != rb[0].request_id and ra[0].prefix_ids == PROMPTS[0] and ra[0].parent_key is None
-    assert ra[0].params.temperature == 0.7 and ra[0].params.seed is not None and ra[0].n == 2
-    with pytest.raises(ValueError, match="open requests"):
-        tracker.release(a)
-    engine.add_requests(ra + rb)
-    results = []
-    while engine.has_unfinished():
-        results += engine.step()
-    first = next(r for r in results if r.request_id == ra[0].request_id)
-    grower, nodes = tracker.deliver(first)
-    assert grower is a and nodes == [1, 2]
-    assert [a.tree.tokens[n] for n in nodes] == [c.token_ids for c in first.children]
-    # Follow-up asks continue nodes 1 and 2 from the cache keys the engine returned for them.
-    key_of = {tuple(a.tree.prefix_ids(n)): c.cache_key for n, c in zip(nodes, first.children)}
-    follow = tracker.to_requests(a)
-    assert len(follow) == 2 and all(key_of[tuple(r.prefix_ids)] == r.parent_key for r in follow)
-    with pytest.raises(ValueError, match="unknown request"):
-        tracker.deliver(SegmentResult("nope", []))
-    assert a.tree.meta["weights_version"] == 0

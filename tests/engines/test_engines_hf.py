@@ -1,28 +1,21 @@
-"""HFEngine against the Hugging Face model it runs, on a real tiny Qwen2 built offline."""
+"""HFEngine against the Hugging Face model it runs, on a real tiny Qwen2 built offline (model forward, KV cache
+and scheduling together; the sampler and the cache's bookkeeping alone are tested without a model)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_testlib import build, hf_logprobs, hf_model
+from hf_testlib import hf_logprobs, hf_model
 
 from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams, SegmentRequest, generate
-from treepo_ray.engines.hf import HFEngine, sample, uniforms
+from treepo_ray.engines.hf import HFEngine
+
+pytestmark = pytest.mark.slow
 
 PROMPT = [5, 9, 33, 70, 100, 41, 7, 12, 80, 64]
 SAMPLED = SamplingParams(temperature=1.0, seed=11)
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build(str(tmp_path_factory.getbasetemp()), "small")
-
-
-@pytest.fixture(scope="session")
-def hf(model_dir):
-    return hf_model(model_dir)
 
 
 @pytest.fixture
@@ -117,32 +110,6 @@ def test_batch_limits_queue_requests_without_changing_them(model_dir):
         [[c.token_ids for c in w.children] for w in wide]
 
 
-def test_sample_inverse_cdf_with_top_k_and_top_p():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 6))
-    temp = torch.ones(6)
-    u = torch.tensor([0.1, 0.6, 0.9, 0.7, 0.9, 0.99])
-    tokens, lps = sample(logits, temp, torch.zeros(6, dtype=torch.long), torch.ones(6), u)
-    assert tokens.tolist() == [0, 1, 2, 1, 2, 2]  # cdf 0.5, 0.8, 1.0
-    assert lps.tolist() == pytest.approx(torch.log(torch.tensor([0.5, 0.3, 0.2, 0.3, 0.2, 0.2])).tolist())
-    # top-k 2: [0.625, 0.375]; top-p 0.6 keeps tokens whose preceding mass is < 0.6: the same two.
-    for k, p in ((2, 1.0), (0, 0.6)):
-        tokens, _ = sample(logits, temp, torch.full((6,), k), torch.full((6,), p), u)
-        assert tokens.tolist() == [0, 0, 1, 1, 1, 1]
-    # top-p 0.5: only the first token (the mass before the second one is 0.5, not < 0.5); temperature 0: argmax.
-    tokens, _ = sample(logits, temp, torch.zeros(6, dtype=torch.long), torch.full((6,), 0.5), u)
-    assert tokens.tolist() == [0] * 6
-    tokens, lps = sample(logits, torch.zeros(6), torch.zeros(6, dtype=torch.long), torch.ones(6), u)
-    assert tokens.tolist() == [0] * 6 and lps.tolist() == pytest.approx([torch.log(torch.tensor(0.5)).item()] * 6)
-
-
-def test_uniforms_are_a_function_of_seed_and_counter():
-    a = uniforms([1, 2, 1], [0, 0, 1])
-    assert a.tolist() == uniforms([1, 2, 1], [0, 0, 1]).tolist()
-    assert len(set(a.tolist())) == 3 and all(0 <= x < 1 for x in a)
-    u = uniforms(list(range(20000)), [0] * 20000)
-    assert abs(u.mean() - 0.5) < 0.01 and abs((u < 0.1).mean() - 0.1) < 0.01
-
-
 def test_release_frees_every_entry(engine):
     (a,) = generate(engine, [req("a", PROMPT, 4, n=2)])
     (b,) = generate(engine, [req("b", PROMPT + a.children[0].token_ids, 4, key=a.children[0].cache_key)])
@@ -231,8 +198,8 @@ def test_children_ending_at_different_steps_keep_every_row_intact(model_dir, hf)
     assert_logprobs_match(hf, PROMPT + one[1].token_ids, deeper.children[0].token_ids, deeper.children[0].logprobs)
 
 
-def test_padded_embedding_rows_are_never_sampled(tmp_path_factory):
-    path = build(str(tmp_path_factory.getbasetemp()), "padded")
+def test_padded_embedding_rows_are_never_sampled(padded_model_dir):
+    path = padded_model_dir
     model = hf_model(path)
     assert model.config.vocab_size == 300
     assert hf_logprobs(model, PROMPT)[-1].argmax().item() >= 258  # unclipped, a padding id would win

@@ -16,6 +16,7 @@ import math
 import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed here (build .venv-vllm with scripts/setup_vllm.sh)")
+pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
@@ -106,11 +107,9 @@ def test_engine_reads_the_padded_vocabulary(engine):
     assert engine.info.engine_args["dtype"] == "float32" and engine.info.engine_args["max_num_seqs"] == 64
 
 
-def test_gpu_only_options_are_refused_on_cpu(models):
+def test_a_device_the_build_cannot_run_on_is_refused(models):
     with pytest.raises(ValueError, match="installed vLLM runs on 'cpu'"):
         VLLMEngine(str(models["a"][0]), device="cuda")
-    with pytest.raises(ValueError, match="needs a GPU"):
-        VLLMEngine(str(models["a"][0]), weight_transfer="nccl")
 
 
 def test_greedy_segments_equal_hf_greedy_with_hf_logprobs(engine, models):
@@ -226,7 +225,6 @@ def test_load_weights_switches_models_and_versions(engine, models):
         (res,) = generate(engine, [SegmentRequest("wb", prompt, 10, params=GREEDY)])
         assert res.children[0].token_ids == _hf_greedy(hf_b, prompt, 10) != _hf_greedy(hf_a, prompt, 10)
         assert res.weights_version == v + 1 and engine.stats()["weights_version"] == v + 1
-        assert engine.get_weight_version() == str(v + 1)
         with pytest.raises(ValueError, match="version"):
             engine.load_weights(hf_b.state_dict(), version=v)
 

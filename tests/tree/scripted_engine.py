@@ -1,4 +1,4 @@
-"""A scripted stand-in for a generation engine (test input, not a mock): it answers each Ask with Children whose
+"""A scripted stand-in for a generation engine (test input, not a mock): it answers each Ask with Segments whose
 content a test chooses, deterministically, plus a tiny vocabulary and a driver loop like the real driver's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from treepo_ray.tree import Ask, Child, Grower, Tree
+from treepo_ray.tree import Ask, Grower, Segment, Tree
 
 EOS = 0
 A = 1  # decodes to "aaaa": a few of them make a repetitive segment
@@ -28,7 +28,7 @@ def filler(ask: Ask, j: int, length: int) -> list[int]:
     return [int(t) for t in np.random.default_rng([ask.seed, j]).integers(10, 10**6, size=length)]
 
 
-def child(ask: Ask, j: int, kind: str = "go", lp: float = -1.0) -> Child:
+def child(ask: Ask, j: int, kind: str = "go", lp: float = -1.0) -> Segment:
     """A child of `kind`: 'go' (full length, no stop), 'eos', 'boxed' (box + EOS), 'box' (box, no EOS),
     'rep' (repetitive text), 'short' (one token, no EOS)."""
     m = ask.max_new_tokens
@@ -48,11 +48,11 @@ def child(ask: Ask, j: int, kind: str = "go", lp: float = -1.0) -> Child:
         ids, reason = filler(ask, j, 1), "length"
     else:
         raise ValueError(kind)
-    return Child(ids, [lp] * len(ids), reason)
+    return Segment(ids, [lp] * len(ids), reason)
 
 
-Script = Callable[[Tree, Ask, int, int], Child]
-"""(tree, ask, child index j, index k of the child among all children of this batch of asks) -> Child."""
+Script = Callable[[Tree, Ask, int, int], Segment]
+"""(tree, ask, child index j, index k of the child among all children of this batch of asks) -> Segment."""
 
 
 def drive(grower: Grower, script: Script, *, reverse: bool = False, max_batches: int = 1000) -> list[list[Ask]]:
@@ -85,7 +85,7 @@ def drive(grower: Grower, script: Script, *, reverse: bool = False, max_batches:
 def by_round(plan: dict[int, dict[int, str]], default: str = "go", lp: float = -1.0) -> Script:
     """Script for TreePO, whose batches are depth rounds: plan[depth][k] is the kind of the round's k-th child."""
 
-    def script(tree: Tree, ask: Ask, j: int, k: int) -> Child:
+    def script(tree: Tree, ask: Ask, j: int, k: int) -> Segment:
         depth = tree.depth[ask.node] + 1
         return child(ask, j, plan.get(depth, {}).get(k, default), lp)
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scripted_engine import BOX, CLOSE, EOS, SEVEN, A, decode
 
-from treepo_ray.tree import Child, Tree, TreePOConfig, TreePOGrower
+from treepo_ray.tree import Segment, Tree, TreePOConfig, TreePOGrower
 
 
 @st.composite
@@ -32,7 +32,7 @@ def configs(draw):
     return TreePOConfig(**kw)
 
 
-def random_child(rng: np.random.Generator, max_new: int, p_stop: float) -> Child:
+def random_child(rng: np.random.Generator, max_new: int, p_stop: float) -> Segment:
     """A segment of random length whose content may end the path in any way."""
     n = int(rng.integers(1, max_new + 1))
     ids = [int(t) for t in rng.integers(10, 10**6, size=n)]
@@ -46,7 +46,7 @@ def random_child(rng: np.random.Generator, max_new: int, p_stop: float) -> Child
         ids, reason = [A] * n, "length"
     else:
         reason = "length"
-    return Child(ids, [float(x) for x in -rng.exponential(size=n)], reason)
+    return Segment(ids, [float(x) for x in -rng.exponential(size=n)], reason)
 
 
 @settings(max_examples=80, deadline=None)

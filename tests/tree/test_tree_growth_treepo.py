@@ -5,7 +5,7 @@ import pytest
 from scripted_engine import EOS, by_round, canonical, child, decode, drive
 
 from treepo_ray.tree import (
-    Child,
+    Segment,
     Tree,
     TreePOConfig,
     TreePOGrower,
@@ -358,11 +358,11 @@ def test_bad_results_are_rejected():
     with pytest.raises(ValueError, match="asked for 2 children, got 1"):
         g.receive(root.request_id, [child(root, 0)])
     with pytest.raises(ValueError, match="finish_reason 'stop'"):
-        g.receive(root.request_id, [Child([11], [0.0], "stop")] * 2)
+        g.receive(root.request_id, [Segment([11], [0.0], "stop")] * 2)
     with pytest.raises(ValueError, match="5 tokens > max_new_tokens 4"):
-        g.receive(root.request_id, [Child([11] * 5, [0.0] * 5, "length")] * 2)
+        g.receive(root.request_id, [Segment([11] * 5, [0.0] * 5, "length")] * 2)
     with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
-        g.receive(root.request_id, [Child([11, 12], [0.0], "length")] * 2)
+        g.receive(root.request_id, [Segment([11, 12], [0.0], "length")] * 2)
     assert len(g.tree) == 1  # nothing was added by the rejected results
     g.receive(root.request_id, [child(root, 0), child(root, 1)])
     with pytest.raises(ValueError, match="already received"):

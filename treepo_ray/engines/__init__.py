@@ -1,11 +1,11 @@
-"""Layer 3: generation engines behind one protocol (base.py), the tree driver and the throughput benchmark."""
+"""Layer 3: generation engines behind one protocol (base.py), and the driver that grows trees on them."""
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
 
-from treepo_ray.engines.base import Engine, SamplingParams, Segment, SegmentRequest, SegmentResult, generate
+from treepo_ray.engines.base import Engine, SamplingParams, SegmentRequest, SegmentResult, generate
 
 # name -> "module:class". Each class takes (model_path, **kw). Another backend registers here; its module is only
 # imported when it is asked for, so optional dependencies (vLLM) stay optional.
@@ -31,7 +31,6 @@ __all__ = [
     "ENGINES",
     "Engine",
     "SamplingParams",
-    "Segment",
     "SegmentRequest",
     "SegmentResult",
     "generate",

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from treepo_ray.tree import Segment
+
 
 @dataclass
 class SamplingParams:
@@ -49,20 +51,9 @@ class SegmentRequest:
 
 
 @dataclass
-class Segment:
-    """One sampled child."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    """Log-prob of each sampled token under the sampling distribution's model (temperature 1, before top-p/k)."""
-    finish_reason: str
-    """'eos' (ended with the EOS token) or 'length' (reached max_new_tokens)."""
-    cache_key: str | None = None
-    """Key under which the engine keeps this child's KV cache for later continuation (None = not cached)."""
-
-
-@dataclass
 class SegmentResult:
+    """The children of one request, in child order (the segment type is the tree layer's: growers take it as is)."""
+
     request_id: str
     children: list[Segment]
     weights_version: int = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from treepo_ray.engines.base import Engine, SamplingParams, SegmentRequest, SegmentResult
-from treepo_ray.tree import Child, Grower
+from treepo_ray.tree import Ask, Grower
 
 
 @dataclass
@@ -21,8 +21,8 @@ class _Tracked:
     grower: Grower
     keys: dict[int, str] = field(default_factory=dict)
     """Tree node -> the engine's cache key for it."""
-    open: dict[str, int] = field(default_factory=dict)
-    """Engine request id -> the node it continues, for every request sent and not yet delivered."""
+    open: int = 0
+    """Requests sent for this grower and not yet delivered."""
 
 
 class TreeTracker:
@@ -32,29 +32,27 @@ class TreeTracker:
         """`params`: sampling parameters of every request (each ask's seed replaces `params.seed`)."""
         self.params = params or SamplingParams()
         self.stop_at_eos = stop_at_eos
-        self._growers: dict[int, _Tracked] = {}
-        self._by_request: dict[str, _Tracked] = {}
-        self._next = 0
-        self._ids: dict[int, int] = {}  # id(grower) -> tracker-local number
+        self._growers: dict[int, _Tracked] = {}  # id(grower) -> its bookkeeping
+        self._open: dict[str, tuple[_Tracked, Ask]] = {}  # engine request id -> the grower and ask it answers
+        self._sent = 0
 
-    def _tracked(self, grower: Grower) -> tuple[int, _Tracked]:
-        gid = self._ids.get(id(grower))
-        if gid is None or self._growers[gid].grower is not grower:
-            gid, self._next = self._next, self._next + 1
-            self._ids[id(grower)] = gid
-            self._growers[gid] = _Tracked(grower)
-        return gid, self._growers[gid]
+    def _tracked(self, grower: Grower) -> _Tracked:
+        t = self._growers.get(id(grower))
+        if t is None or t.grower is not grower:
+            t = self._growers[id(grower)] = _Tracked(grower)
+        return t
 
     def to_requests(self, grower: Grower) -> list[SegmentRequest]:
         """Every ask the grower has ready, as engine requests (request ids are unique across growers)."""
-        gid, t = self._tracked(grower)
+        t = self._tracked(grower)
         out = []
         for ask in grower.asks():
-            rid = f"{gid}:{ask.request_id}"
-            if rid in self._by_request:
-                raise ValueError(f"grower asked for request {ask.request_id!r} twice")
-            t.open[rid] = ask.node
-            self._by_request[rid] = t
+            # The ask's id names the query (unique over a run, so engines shared by several trackers see no
+            # clash); the number makes it unique within this tracker too. Nothing reads it back: see `deliver`.
+            rid = f"{ask.request_id}#{self._sent}"
+            self._sent += 1
+            self._open[rid] = (t, ask)
+            t.open += 1
             out.append(
                 SegmentRequest(
                     request_id=rid,
@@ -70,13 +68,12 @@ class TreeTracker:
 
     def deliver(self, result: SegmentResult) -> tuple[Grower, list[int]]:
         """Hand a result to the grower that asked for it; return that grower and the new node ids."""
-        t = self._by_request.pop(result.request_id, None)
-        if t is None:
+        sent = self._open.pop(result.request_id, None)
+        if sent is None:
             raise ValueError(f"result for unknown request {result.request_id!r}")
-        del t.open[result.request_id]
-        ask_id = result.request_id.split(":", 1)[1]
-        children = [Child(list(s.token_ids), list(s.logprobs), s.finish_reason) for s in result.children]
-        nodes = t.grower.receive(ask_id, children)
+        t, ask = sent
+        t.open -= 1
+        nodes = t.grower.receive(ask.request_id, result.children)
         for node, seg in zip(nodes, result.children):
             if seg.cache_key is not None:
                 t.keys[node] = seg.cache_key
@@ -87,17 +84,16 @@ class TreeTracker:
 
     def release(self, grower: Grower) -> list[str]:
         """Forget a grower; return the cache keys of its tree for `engine.release` (no request may be open)."""
-        gid = self._ids.get(id(grower))
-        if gid is None or self._growers[gid].grower is not grower:
+        t = self._growers.get(id(grower))
+        if t is None or t.grower is not grower:
             return []
-        t = self._growers[gid]
         if t.open:
-            raise ValueError(f"grower of tree {grower.tree.query_id!r} still has {len(t.open)} open requests")
-        del self._growers[gid], self._ids[id(grower)]
+            raise ValueError(f"grower of tree {grower.tree.query_id!r} still has {t.open} open requests")
+        del self._growers[id(grower)]
         return list(t.keys.values())
 
     def open_requests(self) -> int:
-        return len(self._by_request)
+        return len(self._open)
 
 
 Progress = Callable[[Grower], Any]

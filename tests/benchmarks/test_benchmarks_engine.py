@@ -1,10 +1,15 @@
-"""`treepo-ray bench` end to end, on a very small model it builds itself."""
+"""`treepo-ray bench` (the engine benchmark) end to end, on a very small model it builds itself."""
 
 from __future__ import annotations
 
 import json
 
-from treepo_ray.engines.bench import main
+import pytest
+
+from treepo_ray.benchmarks.engine import main
+from treepo_ray.cli import main as cli
+
+pytestmark = pytest.mark.slow
 
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--prompts", "2", "--width", "4",
         "--repeats", "1", "--no-progress"]
@@ -14,7 +19,7 @@ MODE_KEYS = {"trajectories", "generated_tokens", "forward_tokens", "unique_tree_
 
 def test_bench_writes_both_modes_and_their_ratios(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(TINY + ["--depth", "2", "--segment-len", "4", "--json", str(out)]) == 0
+    assert cli(["bench"] + TINY + ["--depth", "2", "--segment-len", "4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())["engines"]["hf"]
     seq, tree = report["sequential"], report["tree"]
     assert MODE_KEYS <= set(seq) and MODE_KEYS <= set(tree)
@@ -27,6 +32,9 @@ def test_bench_writes_both_modes_and_their_ratios(tmp_path, capsys):
     assert ratios["token_bound"] == seq["forward_tokens"] / tree["forward_tokens"]
     assert abs(ratios["speedup_over_bound"] - ratios["speedup"] / ratios["token_bound"]) < 1e-9
     assert set(tree["time_s"]) >= {"prefill", "decode", "sample", "branch", "driver"}
+    # One decode forward timed at rows 1 and 8 (all paths), at 32 positions and at the longest path's length.
+    assert {k.split("_")[0] for k in report["decode_step_ms"]} == {"rows1", "rows8"}
+    assert len(report["decode_step_ms"]) == 4 and all(v > 0 for v in report["decode_step_ms"].values())
     assert "token_bound" in capsys.readouterr().out
 
 

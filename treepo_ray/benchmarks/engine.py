@@ -38,9 +38,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams
 from treepo_ray.engines.driver import GrowLoop
+from treepo_ray.engines.hf import HFEngine
 from treepo_ray.tree import SequentialConfig, SequentialGrower, Tree, TreePOConfig, TreePOGrower
 
 PROMPTS = [
@@ -117,6 +120,27 @@ def make_growers(mode: str, prompts: list[list[int]], args, depth: int, seg: int
                                    repetition_substr_len=0)
             out.append(SequentialGrower(tree, cfg, seed=args.seed + i, **common))
     return out
+
+
+def decode_step_seconds(engine: HFEngine, rows: int, length: int, repeats: int = 5) -> float:
+    """Median seconds of one decode forward of `rows` sequences at position `length` (on a scratch KV buffer):
+    what the per-step fixed cost and the attention share are made of."""
+    net = engine.decoder
+    if rows < 1 or not 1 <= length <= net.max_positions:
+        raise ValueError(f"rows must be >= 1 and length in [1, {net.max_positions}]")
+    kv = net.new_buffer(rows, length)
+    ids = torch.zeros(rows, 1, dtype=torch.long, device=engine.device)
+    pos = torch.full((rows, 1), length - 1, device=engine.device)
+    mask = torch.zeros(rows, 1, 1, length, dtype=kv.dtype, device=engine.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            net.forward(kv, 0, ids, pos, mask, None)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return sorted(times[1:])[repeats // 2]
 
 
 def _mode_report(r: dict, cpu: float) -> dict:
@@ -269,12 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                         "settings": {k: v for k, v in vars(args).items()}, "engines": {}}
         for name in [e.strip() for e in args.engine.split(",") if e.strip()]:
             kw = {"num_threads": args.threads} if args.threads > 0 and args.device == "cpu" else {}
-            # One engine per mode (same model, same settings; weights shared where the engine can fork), so the
-            # two modes can be stepped alternately.
-            first = make_engine(name, str(model_path), device=args.device, max_batch_size=args.max_batch_size, **kw)
-            second = first.fork() if hasattr(first, "fork") else make_engine(
-                name, str(model_path), device=args.device, max_batch_size=args.max_batch_size, **kw)
-            engines = dict(zip(MODES, (first, second)))
+            # One engine per mode (same model, same settings), so the two modes can be stepped alternately.
+            engines = {m: make_engine(name, str(model_path), device=args.device, max_batch_size=args.max_batch_size,
+                                      **kw) for m in MODES}
             n_runs = 1 + len(configs) * args.repeats
             bar = tqdm(total=n_runs * 2 * len(prompts), desc=f"bench {name}", unit="tree",
                        disable=args.no_progress, file=sys.stderr)
@@ -284,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
             bar.close()
             engine = engines["tree"]
             entry: dict = {"results": results}
-            if hasattr(engine, "time_decode_step"):
+            if isinstance(engine, HFEngine):
                 # Where a decode step's time goes: a fixed part (weights streamed once per step, Python) that a
                 # tree's narrow first segments pay in full, and attention that grows with the sequence length.
                 longest = max(len(p) for p in prompts) + max(d * s for d, s in configs)
                 entry["decode_step_ms"] = {
-                    f"rows{r}_len{n}": 1e3 * engine.time_decode_step(r, n)
+                    f"rows{r}_len{n}": 1e3 * decode_step_seconds(engine, r, n)
                     for r in (1, args.width * len(prompts) // 8, args.width * len(prompts)) for n in (32, longest)
                 }
             print(table(results, name))

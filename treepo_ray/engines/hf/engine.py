@@ -1,0 +1,469 @@
+"""The hf engine's scheduling: requests, admission into KV rows, the decode loop, counters and weight loads.
+
+- Requests queue until the batch limits let them in (first come, first served). A request's `n` children share the
+  prefix: the prefix (or only its last, not yet fed token, when the parent's cache is known) is run once in a
+  "leader" row, the n first tokens are sampled from its logits, and the leader's row is copied into n-1 new rows
+  (one indexed copy for all forks of a step). Running rows are kept contiguous, so no step gathers KV.
+- A request naming a cache entry (cache.py) copies the chain into its leader row and feeds only the parent's last
+  token, which was sampled but never run through the model; a request naming an evicted key recomputes the
+  missing part from `prefix_ids`. Every finished child leaves its segment's KV behind as a new entry.
+- Child j of a request uses seed + j (sampler.py), so its tokens never depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from treepo_ray.engines.base import SegmentRequest, SegmentResult
+from treepo_ray.engines.hf.cache import Entry, NodeCache
+from treepo_ray.engines.hf.model import Decoder, load_model
+from treepo_ray.engines.hf.sampler import sample, uniforms
+from treepo_ray.tree import Segment
+
+
+@dataclass
+class _Req:
+    req: SegmentRequest
+    cached: int
+    """Positions copied from the cache into the leader row."""
+    base: str | None
+    """Entry the children's entries chain to (existing, or created after the leader's pass)."""
+    new_base: tuple[str, str | None, bool] | None
+    """(key, parent key, held) of the entry to create for positions [cached, P-1) after the leader's pass."""
+    seeds: list[int]
+    version: int
+    need: int
+    """Buffer positions one child may use: len(prefix) + max_new_tokens."""
+    children: list[Segment | None] = field(default_factory=list)
+    left: int = 0
+
+
+@dataclass
+class _Row:
+    req: _Req
+    child: int
+    """Child index, or -1 for the leader row that runs the prefix before the children fork."""
+    pos: int
+    """Positions already written to this row's KV (the next token is fed at this position)."""
+    feed: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+_COUNTERS = (
+    "forward_tokens",
+    "prefill_tokens",
+    "decode_tokens",
+    "decode_steps",
+    "requests",
+    "cache_hits",
+    "cached_tokens",
+    "recomputed_tokens",
+    "uncached_segments",
+)
+_TIMERS = ("admit", "prefill", "decode", "sample", "branch", "bookkeeping")
+
+
+class HFEngine:
+    """Continuous-batching tree engine over a Llama-family transformers model (see the package docstring)."""
+
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module,
+        device: str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_cache_tokens: int = 1 << 18,
+        max_batch_size: int = 256,
+        max_batch_tokens: int = 1 << 19,
+        vocab_size: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ):
+        """`model`: an HF model directory or a loaded causal LM. `max_cache_tokens`: cap on the positions kept in
+        node caches. `max_batch_size`: running sequences at once. `max_batch_tokens`: cap on the sum over running
+        sequences of (prefix + max_new_tokens), which bounds the KV buffer. `vocab_size`: the tokenizer's size
+        (default: read from the model directory's tokenizer, else the config's). `seed`: seeds of requests that
+        give none."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        for name, value in (("max_cache_tokens", max_cache_tokens), ("max_batch_size", max_batch_size),
+                            ("max_batch_tokens", max_batch_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if isinstance(model, (str, Path)):
+            model, vocab_size, eos_token_id = load_model(Path(model), dtype, vocab_size, eos_token_id)
+        model = model.to(device=device, dtype=dtype).eval()
+        cfg = model.config
+        if vocab_size is None:
+            vocab_size = cfg.vocab_size
+        if eos_token_id is None:
+            eos_token_id = cfg.eos_token_id
+        if eos_token_id is None:
+            raise ValueError("the model config names no eos_token_id; pass eos_token_id=")
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_token_id: int = eos[0]
+        self._eos = set(eos)
+        self.model = model
+        self.device = torch.device(device)
+        self.decoder = Decoder(model, min(vocab_size, cfg.vocab_size))
+        self.vocab_size = self.decoder.vocab_size
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.weights_version = 0
+        self._rng = random.Random(seed)  # seeds of requests that give none
+        self._cache = NodeCache(max_cache_tokens)
+        self._kv = self.decoder.new_buffer(0, 0)
+        self._pending: deque[SegmentRequest] = deque()
+        self._rows: list[_Row] = []
+        self._reserved_tokens = 0
+        self._done: list[SegmentResult] = []
+        self._ids: set[str] = set()
+        self._stats = dict.fromkeys(_COUNTERS, 0)
+        self._times = dict.fromkeys(_TIMERS, 0.0)
+
+    # ------------------------------------------------------------------------------------------------ protocol
+
+    def add_requests(self, requests: list[SegmentRequest]) -> None:
+        """Queue requests (checked first, all or none); they join the running batch at the next step."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids repeat within one add_requests call: {sorted(ids)[:5]}...")
+        for r in requests:
+            self._check(r)
+        for r in requests:
+            self._ids.add(r.request_id)
+            self._pending.append(r)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending or self._rows or self._done)
+
+    def step(self) -> list[SegmentResult]:
+        with torch.inference_mode():
+            t = time.perf_counter()
+            self._admit()
+            t = self._tick("admit", t)
+            if self._rows:
+                self._run(t)
+        done, self._done = self._done, []
+        for res in done:
+            self._ids.discard(res.request_id)
+        return done
+
+    def release(self, keys: list[str]) -> None:
+        self._cache.release(keys)
+
+    def stats(self) -> dict:
+        out: dict = dict(self._stats)
+        out["evictions"] = self._cache.evictions
+        out["cache_entries"] = len(self._cache.entries)
+        out["cache_tokens"] = self._cache.tokens
+        out["running"] = len(self._rows)
+        out["pending"] = len(self._pending)
+        out["weights_version"] = self.weights_version
+        out.update({f"time_{k}_s": v for k, v in self._times.items()})
+        return out
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Copy `state_dict` (HF parameter names) into the model in place and drop every cache entry (its KV was
+        computed by the old weights). Requests still waiting are admitted with the new weights; running ones
+        must finish first."""
+        if self._rows:
+            raise RuntimeError(f"load_weights while {len(self._rows)} sequences are running; let them finish first")
+        own = dict(self.model.named_parameters())
+        tied = {n for n in own if n == "lm_head.weight" and own[n] is self.model.get_input_embeddings().weight}
+        unknown = sorted(set(state_dict) - set(self.model.state_dict()))
+        missing = sorted(set(own) - set(state_dict) - tied)
+        if unknown or missing:
+            raise ValueError(f"load_weights: unknown keys {unknown[:5]}, missing keys {missing[:5]}")
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+        self.weights_version = int(version)
+        self._cache.clear()
+
+    # ------------------------------------------------------------------------------------------------ planning
+
+    def _check(self, r: SegmentRequest) -> None:
+        where = f"request {r.request_id!r}"
+        if r.request_id in self._ids:
+            raise ValueError(f"{where}: request_id is already in use")
+        if not r.prefix_ids:
+            raise ValueError(f"{where}: prefix_ids is empty")
+        if r.n < 1 or r.max_new_tokens < 1:
+            raise ValueError(f"{where}: n ({r.n}) and max_new_tokens ({r.max_new_tokens}) must be >= 1")
+        p = r.params
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+            raise ValueError(f"{where}: bad sampling params {p}")
+        bad = [t for t in r.prefix_ids if not 0 <= t < self.decoder.embed.shape[0]]
+        if bad:
+            raise ValueError(f"{where}: prefix token ids {bad[:5]} are outside the embedding")
+        need = len(r.prefix_ids) + r.max_new_tokens
+        if need > self.decoder.max_positions:
+            raise ValueError(f"{where}: prefix + max_new_tokens = {need} > the model's {self.decoder.max_positions}")
+        if r.n > self.max_batch_size or r.n * need > self.max_batch_tokens:
+            raise ValueError(
+                f"{where}: {r.n} children of up to {need} positions cannot fit max_batch_size={self.max_batch_size}"
+                f" / max_batch_tokens={self.max_batch_tokens}"
+            )
+        entry = self._cache.entries.get(r.parent_key) if r.parent_key is not None else None
+        tomb = self._cache.tombs.get(r.parent_key) if r.parent_key is not None else None
+        if (entry is not None and (entry.end != need - r.max_new_tokens - 1
+                                   or tuple(r.prefix_ids[entry.start : entry.end]) != entry.tokens)) or (
+                tomb is not None and tomb.end != need - r.max_new_tokens - 1):
+            raise ValueError(f"{where}: prefix_ids do not end at cached node {r.parent_key!r}")
+        cap = self._cache.max_tokens
+        if need > cap:
+            raise ValueError(f"{where}: a path of {need} positions cannot fit max_cache_tokens={cap}")
+
+    def _plan(self, r: SegmentRequest) -> _Req:
+        """Find what the cache holds of this prefix; fix the children's seeds."""
+        P = len(r.prefix_ids)
+        base, new_base, cached = None, None, 0
+        key = r.parent_key
+        entry = self._cache.entries.get(key) if key is not None else None
+        if entry is not None:  # _check made sure the prefix ends at this entry
+            base, cached = key, P - 1
+        elif key is not None and key in self._cache.tombs:
+            # Evicted: find the deepest ancestor still cached and recompute the rest as a revived entry.
+            anc = self._cache.deepest_cached(key)
+            cached = self._cache.entries[anc].end if anc is not None else 0
+            new_base = (key, anc, True)
+        elif P > 1:
+            prompt = self._cache.prompts.get(tuple(r.prefix_ids[: P - 1]))
+            if prompt is not None:
+                base, cached = prompt, P - 1
+            else:
+                new_base = (self._cache.new_key(), None, False)
+        if key is not None and entry is None:
+            self._stats["recomputed_tokens"] += P - 1 - cached
+        if base is not None:
+            self._stats["cache_hits"] += 1
+        self._stats["cached_tokens"] += cached
+        self._stats["requests"] += 1
+        if base is not None:
+            self._cache.pin(base, r.n)  # pinned until the children's own entries exist
+        seed = r.params.seed if r.params.seed is not None else self._rng.getrandbits(63)
+        req = _Req(r, cached, base, new_base, [seed + j for j in range(r.n)], self.weights_version,
+                   P + r.max_new_tokens)
+        req.children, req.left = [None] * r.n, r.n
+        if new_base is not None and new_base[1] is not None:
+            self._cache.pin(new_base[1], 1)  # the revived entry will chain to this ancestor
+        return req
+
+    # ------------------------------------------------------------------------------------------------ admission
+
+    def _admit(self) -> None:
+        """Move pending requests into leader rows while the batch limits allow (first come, first served)."""
+        rows = len(self._rows)
+        admitted: list[_Req] = []
+        while self._pending:
+            r = self._pending[0]
+            need = len(r.prefix_ids) + r.max_new_tokens
+            if rows + r.n > self.max_batch_size or self._reserved_tokens + r.n * need > self.max_batch_tokens:
+                break
+            self._pending.popleft()
+            rows += r.n
+            self._reserved_tokens += r.n * need
+            admitted.append(self._plan(r))
+        if not admitted:
+            return
+        # Leaders that feed one token join the decode pass; those that feed more form the prefill pass (last).
+        admitted.sort(key=lambda q: len(q.req.prefix_ids) - q.cached > 1)
+        # One spare position at the end takes the prefill pass's padding (see _run).
+        self._ensure(rows, 1 + max([q.need for q in admitted] + [r.req.need for r in self._rows]))
+        for q in admitted:
+            row = len(self._rows)
+            anchor = q.base if q.base is not None else (q.new_base[1] if q.new_base else None)
+            for e in self._cache.chain(anchor):
+                self._kv[:, :, row, :, e.start : e.end] = e.kv
+            self._rows.append(_Row(q, -1, q.cached, list(q.req.prefix_ids[q.cached :])))
+
+    def _ensure(self, rows: int, length: int) -> None:
+        """Grow the KV buffer to at least `rows` x `length` positions (geometrically, keeping live rows)."""
+        have_rows, have_len = self._kv.shape[2], self._kv.shape[4]
+        if rows <= have_rows and length <= have_len:
+            return
+        new_rows = max(rows, min(self.max_batch_size, have_rows * 2)) if rows > have_rows else have_rows
+        new_len = max(length, have_len * 3 // 2) if length > have_len else have_len
+        new_len = min(self.decoder.max_positions + 1, -(-new_len // 64) * 64)
+        kv = self.decoder.new_buffer(new_rows, new_len)
+        live = len(self._rows)
+        if live:
+            kv[:, :, :live, :, :have_len] = self._kv[:, :, :live]
+        self._kv = kv
+
+    # ------------------------------------------------------------------------------------------------ one step
+
+    def _tick(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self._times[phase] += now - since
+        return now
+
+    def _run(self, t: float) -> None:
+        rows = self._rows
+        B = len(rows)
+        Bd = next((i for i, r in enumerate(rows) if len(r.feed) > 1), B)
+        logits = []
+        if Bd:
+            pos = [r.pos for r in rows[:Bd]]
+            T = max(pos) + 1
+            ids = torch.tensor([[r.feed[0]] for r in rows[:Bd]], device=self.device)
+            pos_t = torch.tensor(pos, device=self.device)
+            mask = self._mask(pos_t[:, None], T)
+            logits.append(self.decoder.forward(self._kv, 0, ids, pos_t[:, None], mask, None))
+            self._stats["decode_steps"] += 1
+            t = self._tick("decode", t)
+        if Bd < B:
+            pre = rows[Bd:]
+            Q = max(len(r.feed) for r in pre)
+            ids = torch.tensor([r.feed + [0] * (Q - len(r.feed)) for r in pre], device=self.device)
+            # Padding queries write their (unused) keys into the buffer's last position, which no row uses.
+            trash = self._kv.shape[4] - 1
+            pos = [[r.pos + j if j < len(r.feed) else trash for j in range(Q)] for r in pre]
+            pos_t = torch.tensor(pos, device=self.device)
+            mask = self._mask(pos_t, max(r.pos + len(r.feed) for r in pre))
+            last = torch.tensor([len(r.feed) - 1 for r in pre], device=self.device)
+            logits.append(self.decoder.forward(self._kv, Bd, ids, pos_t, mask, last))
+            t = self._tick("prefill", t)
+        fed = [len(r.feed) for r in rows]
+        for r, n_fed in zip(rows, fed):
+            if r.child < 0:
+                self._stats["prefill_tokens"] += n_fed
+            else:
+                self._stats["decode_tokens"] += 1
+        self._stats["forward_tokens"] += sum(fed)
+
+        # Sample: a leader draws one token per child from its logits.
+        counts = [r.req.req.n if r.child < 0 else 1 for r in rows]
+        seeds, counters, params = [], [], []
+        for r, c in zip(rows, counts):
+            if r.child < 0:
+                seeds.extend(r.req.seeds)
+                counters.extend([0] * c)
+            else:
+                seeds.append(r.req.seeds[r.child])
+                counters.append(len(r.tokens))
+            params.extend([r.req.req.params] * c)
+        all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        if B != len(seeds):
+            all_logits = all_logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
+        tokens, logps = sample(
+            all_logits,
+            torch.tensor([p.temperature for p in params], device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], device=self.device),
+            torch.from_numpy(uniforms(seeds, counters)).to(self.device, torch.float32),
+        )
+        tokens, logps = tokens.tolist(), logps.tolist()
+        t = self._tick("sample", t)
+
+        # Advance rows; fork leaders into their children (child 0 keeps the leader's row).
+        src, dst, finished = [], [], []
+        k = 0
+        for i in range(B):
+            r = rows[i]
+            r.pos += fed[i]
+            if r.child < 0:
+                q = r.req
+                self._make_base(q, i)
+                for j in range(q.req.n):
+                    row = _Row(q, j, r.pos, [])
+                    if j == 0:
+                        rows[i] = row
+                    else:
+                        src.append(i)
+                        dst.append(len(rows))
+                        rows.append(row)
+                    self._append(row, tokens[k + j], logps[k + j], finished, i if j == 0 else len(rows) - 1)
+                k += q.req.n
+            else:
+                self._append(r, tokens[k], logps[k], finished, i)
+                k += 1
+        t = self._tick("bookkeeping", t)
+        if src:
+            T = max(rows[i].pos for i in src)
+            d = torch.tensor(dst, device=self.device)
+            self._kv[:, :, d, :, :T] = self._kv[:, :, torch.tensor(src, device=self.device), :, :T]
+        if finished:
+            for i in finished:
+                self._finish(rows[i], i)
+            self._compact(set(finished))
+        self._tick("branch", t)
+
+    def _mask(self, pos: torch.Tensor, T: int) -> torch.Tensor:
+        """Additive attention mask [B, 1, Q, T]: query at position p sees positions <= p."""
+        see = torch.arange(T, device=self.device)[None, None, :] <= pos[:, :, None]
+        zero = torch.zeros((), dtype=self._kv.dtype, device=self.device)
+        return torch.where(see, zero, torch.tensor(float("-inf"), dtype=self._kv.dtype, device=self.device))[:, None]
+
+    def _append(self, row: _Row, token: int, logp: float, finished: list[int], index: int) -> None:
+        row.tokens.append(token)
+        row.logprobs.append(logp)
+        row.feed = [token]
+        q = row.req.req
+        if len(row.tokens) >= q.max_new_tokens or (q.stop_at_eos and token in self._eos):
+            finished.append(index)
+
+    def _make_base(self, q: _Req, row: int) -> None:
+        """After the leader's pass: keep positions [cached, P-1) as the entry its children chain to."""
+        if q.new_base is None:
+            return
+        key, parent, held = q.new_base
+        held = held and key in self._cache.tombs  # a revived key the caller released meanwhile is not held any more
+        P = len(q.req.prefix_ids)
+        if P - 1 > q.cached:
+            kv = self._kv[:, :, row, :, q.cached : P - 1].clone()
+            tokens = tuple(q.req.prefix_ids[q.cached : P - 1])
+            self._cache.add(Entry(key, parent, q.cached, P - 1, kv, tokens, held, children=q.req.n), force=True)
+            if not held:
+                self._cache.prompts[tuple(q.req.prefix_ids[: P - 1])] = key
+            self._cache.tombs.pop(key, None)
+            q.base = key
+        elif parent is not None:
+            self._cache.pin(parent, q.req.n - 1)  # nothing to revive: children chain to the ancestor
+            q.base = parent
+            self._cache.tombs.pop(key, None)
+        q.new_base = None
+
+    def _finish(self, row: _Row, index: int) -> None:
+        """A child is complete: keep its segment's KV rows [P-1, pos) as its cache entry and report it."""
+        q = row.req
+        P = len(q.req.prefix_ids)
+        reason = "eos" if q.req.stop_at_eos and row.tokens[-1] in self._eos else "length"
+        seg = Segment(list(row.tokens), list(row.logprobs), reason, None)
+        key = self._cache.new_key()
+        kv = self._kv[:, :, index, :, P - 1 : row.pos].clone()
+        fed = tuple([q.req.prefix_ids[-1]] + row.tokens[:-1])
+        if self._cache.add(Entry(key, q.base, P - 1, row.pos, kv, fed, held=True)):
+            seg.cache_key = key
+        else:
+            self._stats["uncached_segments"] += 1
+            if q.base is not None:
+                self._cache.unpin(q.base)
+        q.children[row.child] = seg
+        self._reserved_tokens -= q.need
+        q.left -= 1
+        if q.left == 0:
+            self._done.append(SegmentResult(q.req.request_id, list(q.children), q.version))
+
+    def _compact(self, finished: set[int]) -> None:
+        """Drop finished rows, moving rows from the end into the holes so running rows stay contiguous."""
+        rows = self._rows
+        keep = len(rows) - len(finished)
+        holes = [i for i in sorted(finished) if i < keep]
+        movers = [i for i in range(keep, len(rows)) if i not in finished]
+        if holes:
+            T = max(rows[i].pos for i in movers)
+            h = torch.tensor(holes, device=self.device)
+            self._kv[:, :, h, :, :T] = self._kv[:, :, torch.tensor(movers, device=self.device), :, :T]
+            for i, j in zip(holes, movers):
+                rows[i] = rows[j]
+        del rows[keep:]
