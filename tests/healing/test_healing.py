@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from treepo_ray.engines.base import Segment, SegmentResult
+from treepo_ray.engines.base import SegmentResult
+from treepo_ray.tree import Segment
 from treepo_ray.engines.tiny import build_tokenizer
 from treepo_ray.healing.critique import CritiqueHealer, HealingConfig, find_failure_node, load_prompts
 from treepo_ray.tree.tree import Tree
