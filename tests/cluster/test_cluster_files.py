@@ -25,6 +25,8 @@ sys.modules["cluster_validate"] = cv
 _spec.loader.exec_module(cv)
 
 HAVE_BOTOCORE = cv._run_instances_model() is not None
+HAVE_K8S_SCHEMA = cv.kubernetes_validate is not None
+needs_k8s_schema = pytest.mark.skipif(not HAVE_K8S_SCHEMA, reason="kubernetes-validate is not installed")
 
 
 def _load(rel: str) -> dict:
@@ -150,7 +152,7 @@ def test_unreadable_yaml_copy_fails(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# cluster/kuberay/*.yaml (KubeRay v1 fields + the Ray autoscaler's reader)
+# cluster/kuberay/*.yaml (KubeRay v1 fields, Kubernetes' pod schema, the Ray autoscaler's reader)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -175,9 +177,11 @@ GENERATOR_POD = f"{W}.1.template.spec"
 RAYCLUSTER_BREAKS = [
     ("old api version", _set("apiVersion", "ray.io/v1alpha1"), "apiVersion must be ray.io/v1"),
     ("wrong kind", _set("kind", "RayJob"), "kind must be RayCluster"),
-    ("bad name", _set("metadata.name", "TreePO_ray"), "DNS-1123"),
+    ("bad name", _set("metadata.name", "TreePO_ray"), "DNS-1035"),
+    ("name starts with a digit", _set("metadata.name", "7b-treepo"), "DNS-1035"),
+    ("name too long", _set("metadata.name", "t" * 54), "at most 53 characters"),
     ("misspelt spec field", _set("spec.enableInTreeAutoscalling", True),
-     "unknown field(s) ['enableInTreeAutoscalling']"),
+     "unknown field(s) ['enableInTreeAutoscalling']: not in KubeRay 1.7.0's RayClusterSpec"),
     ("autoscaling off", _set("spec.enableInTreeAutoscaling", False), "enableInTreeAutoscaling must be true"),
     ("no head group", _set("spec.headGroupSpec", _DELETE), "headGroupSpec is required"),
     ("unquoted start param", _set("spec.headGroupSpec.rayStartParams.num-cpus", 0), "values are strings"),
@@ -187,7 +191,7 @@ RAYCLUSTER_BREAKS = [
     ("negative max", _set(f"{W}.1.maxReplicas", -1), "non-negative integer"),
     ("missing maxReplicas", _set(f"{W}.1.maxReplicas", _DELETE), "maxReplicas is required"),
     ("duplicate group", _set(f"{W}.1.groupName", "learner"), "unique DNS-1123"),
-    ("no containers", _set(f"{LEARNER_POD}.containers", []), "non-empty list"),
+    ("no containers", _set(f"{LEARNER_POD}.containers", []), "must list at least one container"),
     ("container without image", _set(f"{LEARNER_POD}.containers.0.image", _DELETE), "needs an `image`"),
     ("gpu request without limit", _set(f"{LEARNER_POD}.containers.0.resources.limits",
                                        {"cpu": "90", "memory": "1000Gi"}), "needs a limit"),
@@ -211,9 +215,8 @@ RAYCLUSTER_BREAKS = [
      "minReplicas must be 0"),
     ("toleration operator typo", _set(f"{GENERATOR_POD}.tolerations.0.operator", "Exist"), "operator must be"),
     ("toleration effect typo", _set(f"{GENERATOR_POD}.tolerations.1.effect", "NoScheduling"), "effect must be"),
-    ("unquoted node selector", _set(f"{GENERATOR_POD}.nodeSelector[treepo-ray/gpu]", True), "must be strings"),
     ("no /dev/shm", _set(f"{GENERATOR_POD}.volumes", []), "/dev/shm"),
-    ("auth mode typo", _set("spec.authOptions.mode", "tokens"), "must be token or disabled"),
+    ("auth mode typo", _set("spec.authOptions.mode", "tokens"), "must be one of ['disabled', 'token']"),
     ("token on old ray", _set("spec.rayVersion", "2.50.0"), "needs rayVersion >= 2.52.0"),
     ("upscaling mode typo", _set("spec.autoscalerOptions.upscalingMode", "Fast"), "upscalingMode"),
 ]
@@ -225,6 +228,118 @@ def test_raycluster_broken_copies_fail(raycluster, mutate, expected):
     broken = copy.deepcopy(raycluster)
     mutate(broken)
     with pytest.raises(cv.ClusterConfigError, match=_re(expected)):
+        cv.check_raycluster(broken)
+
+
+# The field table is KubeRay v1.7.0's: real fields that hand-copied lists used to reject are accepted; made-up
+# fields, and fields KubeRay no longer has, are rejected by name.
+REAL_KUBERAY_FIELDS = [
+    ("worker group priority (1.7)", "raycluster", _set(f"{W}.1.priority", 10)),
+    ("head ingressOptions (1.7)", "raycluster", _set("spec.headGroupSpec.ingressOptions", {"host": "ray.example.com"})),
+    ("autoscaler command (1.7)", "raycluster", _set("spec.autoscalerOptions.command", ["ray", "kuberay-autoscaler"])),
+    ("auth secretName (1.6)", "raycluster", _set("spec.authOptions.secretName", "treepo-ray-token")),
+    ("preRunningDeadlineSeconds (1.6)", "rayjob", _set("spec.preRunningDeadlineSeconds", 600)),
+    ("deletionStrategy (1.5)", "rayjob", lambda d: d["spec"].update(
+        shutdownAfterJobFinishes=False, deletionStrategy={"onSuccess": {"policy": "DeleteCluster"},
+                                                          "onFailure": {"policy": "DeleteWorkers"}})),
+]
+
+
+@pytest.mark.parametrize("doc,mutate", [(d, m) for _, d, m in REAL_KUBERAY_FIELDS],
+                         ids=[name for name, _, _ in REAL_KUBERAY_FIELDS])
+def test_real_kuberay_fields_are_accepted(raycluster, rayjob, doc, mutate):
+    variant = copy.deepcopy(raycluster if doc == "raycluster" else rayjob)
+    mutate(variant)
+    (cv.check_raycluster if doc == "raycluster" else cv.check_rayjob)(variant)
+
+
+def test_group_resources_field_replaces_ray_start_params(raycluster):
+    # rayStartParams is optional in the CRD: the groups' top-level `resources` field is the newer way to give
+    # Ray its resources, and the autoscaler reads it the same.
+    variant = copy.deepcopy(raycluster)
+    head, learner = variant["spec"]["headGroupSpec"], variant["spec"]["workerGroupSpecs"][0]
+    del head["rayStartParams"], learner["rayStartParams"]
+    head["resources"], learner["resources"] = {"CPU": "0"}, {"learner_gpu": "8"}
+    types = cv.check_raycluster(variant)["available_node_types"]
+    assert types["headgroup"]["resources"]["CPU"] == 0
+    assert types["learner"]["resources"]["learner_gpu"] == 8
+
+
+MADE_UP_FIELDS = [  # (document, where the field is added, where the error says it is, KubeRay type)
+    ("raycluster", "spec", "spec", "RayClusterSpec"),
+    ("raycluster", "spec.headGroupSpec", "spec.headGroupSpec", "HeadGroupSpec"),
+    ("raycluster", f"{W}.0", "spec.workerGroupSpecs[0]", "WorkerGroupSpec"),
+    ("raycluster", "spec.autoscalerOptions", "spec.autoscalerOptions", "AutoscalerOptions"),
+    ("raycluster", "spec.authOptions", "spec.authOptions", "AuthOptions"),
+    ("rayjob", "spec", "spec", "RayJobSpec"),
+    ("rayjob", "spec.rayClusterSpec.workerGroupSpecs.1", "spec.rayClusterSpec.workerGroupSpecs[1]", "WorkerGroupSpec"),
+]
+
+
+@pytest.mark.parametrize("doc,path,where,kind", MADE_UP_FIELDS, ids=[f"{d}:{p}" for d, p, _, _ in MADE_UP_FIELDS])
+def test_made_up_kuberay_field_is_rejected_by_name(raycluster, rayjob, doc, path, where, kind):
+    variant = copy.deepcopy(raycluster if doc == "raycluster" else rayjob)
+    _set(f"{path}.gpuPerNode", 8)(variant)
+    expected = f"{doc}.yaml: {where}: unknown field(s) ['gpuPerNode']: not in KubeRay 1.7.0's {kind}"
+    with pytest.raises(cv.ClusterConfigError, match=_re(expected)):
+        (cv.check_raycluster if doc == "raycluster" else cv.check_rayjob)(variant)
+
+
+@pytest.mark.parametrize("field,value", [("deletionPolicy", "DeleteCluster"),  # KubeRay 1.3-1.4 only
+                                         ("entrypointMemory", 1 << 30)])       # in no KubeRay release
+def test_rayjob_fields_kuberay_does_not_have_are_rejected(rayjob, field, value):
+    variant = copy.deepcopy(rayjob)
+    variant["spec"][field] = value
+    with pytest.raises(cv.ClusterConfigError, match=_re(f"unknown field(s) ['{field}']")):
+        cv.check_rayjob(variant)
+
+
+# Pod templates against Kubernetes' own PodTemplateSpec schema: a typo anywhere in a pod is an error.
+POD_SCHEMA_BREAKS = [
+    ("typo in a pod spec field", _set(f"{GENERATOR_POD}.nodeSelecter", {"karpenter.sh/capacity-type": "spot"}),
+     "spec.workerGroupSpecs[1].template.spec: Kubernetes 1.36's PodTemplateSpec schema rejects it: "
+     "Additional properties are not allowed ('nodeSelecter' was unexpected)"),
+    ("typo in a container field", _set(f"{LEARNER_POD}.containers.0.volumeMount", []),
+     "spec.workerGroupSpecs[0].template.spec.containers[0]: Kubernetes 1.36's PodTemplateSpec schema rejects it: "
+     "Additional properties are not allowed ('volumeMount' was unexpected)"),
+    ("unquoted node selector", _set(f"{GENERATOR_POD}.nodeSelector[treepo-ray/gpu]", True),
+     "spec.workerGroupSpecs[1].template.spec.nodeSelector.treepo-ray/gpu: Kubernetes 1.36's PodTemplateSpec "
+     "schema rejects it: True is not of type 'string'"),
+    ("env value not a string", _set(f"{LEARNER_POD}.containers.0.env.0.value", 0),
+     "containers[0].env[0].value: Kubernetes 1.36's PodTemplateSpec schema rejects it: 0 is not of type 'string'"),
+    ("container without a name", _set(f"{LEARNER_POD}.containers.0.name", _DELETE), "'name' is a required property"),
+]
+
+
+@needs_k8s_schema
+@pytest.mark.parametrize("mutate,expected", [(m, e) for _, m, e in POD_SCHEMA_BREAKS],
+                         ids=[name for name, _, _ in POD_SCHEMA_BREAKS])
+def test_pod_templates_are_checked_against_kubernetes_schema(raycluster, mutate, expected):
+    broken = copy.deepcopy(raycluster)
+    mutate(broken)
+    with pytest.raises(cv.ClusterConfigError, match=_re(expected)):
+        cv.check_raycluster(broken)
+
+
+@needs_k8s_schema
+def test_real_pod_fields_are_accepted(raycluster):
+    variant = copy.deepcopy(raycluster)
+    pod = variant["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    pod["priorityClassName"] = "training"
+    pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-west-2a"]}]}]}}}
+    pod["containers"][0]["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    cv.check_raycluster(variant)
+
+
+def test_pod_rules_beyond_the_schema_run_without_kubernetes_validate(raycluster, monkeypatch):
+    # Where kubernetes-validate is missing the schema check is skipped; the files still pass, and the API
+    # server's rules that the schema does not state still reject a bad toleration.
+    monkeypatch.setattr(cv, "kubernetes_validate", None)
+    cv.check_raycluster(raycluster)
+    broken = copy.deepcopy(raycluster)
+    broken["spec"]["workerGroupSpecs"][1]["template"]["spec"]["tolerations"][0]["operator"] = "In"
+    with pytest.raises(cv.ClusterConfigError, match=_re("operator must be one of ['Equal', 'Exists']")):
         cv.check_raycluster(broken)
 
 
@@ -259,6 +374,9 @@ RAYJOB_BREAKS = [
      "Ray rejects the runtime env"),
     ("submission mode typo", _set("spec.submissionMode", "K8sMode"), "submissionMode"),
     ("negative ttl", _set("spec.ttlSecondsAfterFinished", -5), "non-negative integer"),
+    ("submitter without image", _set("spec.submitterPodTemplate", {"spec": {"restartPolicy": "Never",
+                                                                            "containers": [{"name": "submit"}]}}),
+     "spec.submitterPodTemplate.spec.containers[0]: needs an `image`"),
     ("broken embedded cluster", _set("spec.rayClusterSpec.workerGroupSpecs.1.minReplicas", 9),
      "minReplicas <= replicas <= maxReplicas"),
 ]
