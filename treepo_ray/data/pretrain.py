@@ -140,7 +140,7 @@ def evaluate_pass1(model_dir: Path, problems: list[Problem], samples: int, tempe
     sampled by the project's engine and sequential grower, the same path as `treepo-ray eval`."""
     from transformers import AutoTokenizer
 
-    from treepo_ray.data.evaluate import SampleSettings, sample_answers
+    from treepo_ray.data.sampling import SampleSettings, sample_answers
     from treepo_ray.engines.hf import HFEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
