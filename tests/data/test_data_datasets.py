@@ -1,4 +1,4 @@
-"""Dataset loading: verl and plain layouts, JSONL and Parquet, templates, length limits, bad rows, routing."""
+"""Dataset loading: verl and plain layouts, JSONL and Parquet, templates, length limits, bad rows."""
 
 import json
 
@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from treepo_ray.data.datasets import DatasetConfig, load_dataset, load_records
-from treepo_ray.data.synthetic import DATA_SOURCE, SyntheticTaskConfig, write_splits
+from treepo_ray.data.synthetic import SyntheticTaskConfig, write_splits
 from treepo_ray.engines.tiny import build_tokenizer
-from treepo_ray.rewards import BatchScorer, score
+from treepo_ray.rewards.synthetic import DATA_SOURCE
 
 CHAT = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -134,7 +134,7 @@ class _Data:
         self.name, self.seed = name, seed
 
 
-def test_synthetic_splits_through_the_same_loader_and_router(tmp_path, tok):
+def test_synthetic_splits_through_the_same_loader(tmp_path, tok):
     train, test = write_splits(tmp_path / "syn", SyntheticTaskConfig(digits=2), 20, 4, seed=0)
     for name in (str(tmp_path / "syn"), f"{train},{test}"):
         tr, te = load_records(_Data(name), tok)
@@ -142,13 +142,6 @@ def test_synthetic_splits_through_the_same_loader_and_router(tmp_path, tok):
         assert tr[0]["data_source"] == DATA_SOURCE and tr[0]["prompt_text"].startswith("Q: ")
     tr, te = load_records(_Data(str(train)), tok)
     assert len(tr) == 20 and te == []
-    # routing: the synthetic source is judged exactly, anything else by the math verifier
-    assert score(DATA_SOURCE, r"\boxed{42}", "42")["score"] == 1.0
-    assert score(DATA_SOURCE, r"\boxed{42.0}", "42")["score"] == 0.0
-    with BatchScorer(timeout_s=3.0) as scorer:
-        assert scorer.score_batch(
-            [(DATA_SOURCE, r"\boxed{42.0}", "42"), ("math", r"\boxed{42.0}", "42"), ("math", r"\boxed{7}", "42")]
-        ) == [0.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="data.name"):
         load_records(_Data(str(tmp_path / "missing")), tok)
 

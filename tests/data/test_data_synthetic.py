@@ -1,4 +1,4 @@
-"""The synthetic addition task: worked solutions, noise, the exact verifier, splits, difficulty."""
+"""The synthetic addition task: worked solutions (checked by the task's verifier), noise, splits, difficulty."""
 
 import json
 import random
@@ -6,15 +6,14 @@ import random
 import pytest
 
 from treepo_ray.data.synthetic import (
-    DATA_SOURCE,
     Problem,
     SyntheticTaskConfig,
     is_test_problem,
     make_problems,
-    verify,
     worked_solution,
     write_splits,
 )
+from treepo_ray.rewards.synthetic import DATA_SOURCE, verify
 
 
 def test_worked_solution_by_hand():
@@ -47,15 +46,6 @@ def test_noise_drops_carries_and_stays_self_consistent():
     assert 0 < wrong < carrying  # only problems with a carry can go wrong, and not all of them do
     with pytest.raises(ValueError, match="rng"):
         worked_solution(p, 0.5)
-
-
-def test_verifier_is_exact():
-    assert verify("...\\boxed{843}", "843")
-    assert verify("\\boxed{ 843 }", " 843")
-    assert not verify("\\boxed{0843}", "843")
-    assert not verify("\\boxed{843.0}", "843")
-    assert not verify("843", "843")  # no box
-    assert verify("\\boxed{1} then \\boxed{843}", "843")  # the last box counts
 
 
 def test_splits_are_disjoint_deterministic_and_distinct():

@@ -1,30 +1,13 @@
-"""Layer 4: datasets and prompts, the synthetic task, the tiny base model's pretraining, evaluation metrics.
+"""Layer 4: datasets and prompts, the synthetic task, test-time sampling, the tiny base model's pretraining,
+evaluation metrics.
 
-Names are imported on first use, so `import treepo_ray.data` stays light (no torch until pretraining is asked for).
+The package exports the light modules' names (no torch): the loaders and the synthetic task. Pretraining
+(treepo_ray.data.pretrain, which imports torch) and the eval command (treepo_ray.data.evaluate) are imported by
+their module path.
 """
 
-from __future__ import annotations
+from treepo_ray.data.datasets import DatasetConfig, LoadedDataset, load_dataset, load_records, synthetic_files
+from treepo_ray.data.synthetic import SyntheticTaskConfig, make_problems, write_splits
 
-import importlib
-
-_EXPORTS = {
-    "DatasetConfig": "treepo_ray.data.datasets",
-    "LoadedDataset": "treepo_ray.data.datasets",
-    "load_dataset": "treepo_ray.data.datasets",
-    "load_records": "treepo_ray.data.datasets",
-    "synthetic_files": "treepo_ray.data.datasets",
-    "SyntheticTaskConfig": "treepo_ray.data.synthetic",
-    "make_problems": "treepo_ray.data.synthetic",
-    "write_splits": "treepo_ray.data.synthetic",
-    "PretrainConfig": "treepo_ray.data.pretrain",
-    "prepare_base_model": "treepo_ray.data.pretrain",
-}
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'treepo_ray.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-__all__ = sorted(_EXPORTS)
+__all__ = ["DatasetConfig", "LoadedDataset", "SyntheticTaskConfig", "load_dataset", "load_records", "make_problems",
+           "synthetic_files", "write_splits"]

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from treepo_ray import config as config_io
-from treepo_ray.data.synthetic import Problem, SyntheticTaskConfig, make_problems, verify, worked_solution
+from treepo_ray.data.synthetic import Problem, SyntheticTaskConfig, make_problems, worked_solution
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
+from treepo_ray.rewards.synthetic import verify
 
 FORMAT_VERSION = 1  # bump when the training recipe changes in a way the settings do not show, to refresh caches
 
@@ -139,7 +140,7 @@ def evaluate_pass1(model_dir: Path, problems: list[Problem], samples: int, tempe
     sampled by the project's engine and sequential grower, the same path as `treepo-ray eval`."""
     from transformers import AutoTokenizer
 
-    from treepo_ray.data.evaluate import SampleSettings, sample_answers
+    from treepo_ray.data.sampling import SampleSettings, sample_answers
     from treepo_ray.engines.hf import HFEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

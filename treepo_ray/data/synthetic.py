@@ -16,7 +16,8 @@ each operand) and `terms` (how many operands) set the difficulty. Noisy training
 solution stays self-consistent but its answer is wrong: a model pretrained on it has room to learn from reward.
 
 Held-out problems never occur in training: a problem belongs to the test split iff a hash of its text falls in
-one bucket, and the training generator rejects those.
+one bucket, and the training generator rejects those. The task's verifier (and its `data_source`) is
+treepo_ray.rewards.synthetic.
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from treepo_ray.rewards.boxed import last_boxed
-
-DATA_SOURCE = "synthetic_addition"
-"""`data_source` of this task's rows; the reward router sends it to `verify`."""
+from treepo_ray.rewards.synthetic import DATA_SOURCE
 
 _TEST_BUCKETS = 20  # one problem in 20 is held out
 
@@ -127,18 +125,6 @@ def worked_solution(problem: Problem, noise: float = 0.0, rng: random.Random | N
     answer = (str(carry) if carry else "") + "".join(reversed(answer_digits))
     answer = answer.lstrip("0") or "0"
     return "\n".join(lines) + "\n\\boxed{" + answer + "}"
-
-
-def verify(solution: str, ground_truth) -> bool:
-    """Exact check: the last boxed answer is the ground-truth integer, written without sign or leading zeros."""
-    return score(solution, ground_truth)["acc"] == 1.0
-
-
-def score(solution: str, ground_truth) -> dict:
-    """{"score", "acc", "pred"} in the math verifier's layout (score 1/0)."""
-    pred = last_boxed(solution, max_chars=10_000)
-    ok = pred is not None and pred.strip() == str(ground_truth).strip()
-    return {"score": float(ok), "acc": float(ok), "pred": "" if pred is None else pred.strip()}
 
 
 def write_splits(

@@ -7,7 +7,7 @@ right answer, `wrong_score` otherwise, whichever verifier judged it.
 
 from __future__ import annotations
 
-from treepo_ray.data import synthetic
+import treepo_ray.rewards.synthetic as synthetic
 from treepo_ray.rewards.math import MathVerifier, MathVerifyConfig, compute_score
 
 EXACT_SOURCES = {synthetic.DATA_SOURCE: synthetic.score}
