@@ -107,8 +107,6 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
     full_optimizer = strategy.optimizer_format == FULL_OPTIMIZER_STATE
     weights = strategy.export_weights()  # collective on FSDP2
     optim = strategy.full_optimizer_state() if full_optimizer else None
-    learner_state = {"version": version, "world_size": strategy.world_size,
-                     "optimizer_format": strategy.optimizer_format, "learner_config": dataclasses.asdict(config)}
 
     def write_rank0() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -118,7 +116,9 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
             tokenizer.save_pretrained(tmp)
         if optim is not None:
             torch.save(optim, tmp / OPTIMIZER_FILE)
-        (tmp / LEARNER_STATE).write_text(json.dumps(learner_state, indent=2))
+        state = {"version": version, "world_size": strategy.world_size,
+                 "optimizer_format": strategy.optimizer_format, "learner_config": dataclasses.asdict(config)}
+        (tmp / LEARNER_STATE).write_text(json.dumps(state, indent=2))
 
     def finish() -> None:
         # The marker file goes last: a folder without it is never taken for a checkpoint.
@@ -127,7 +127,7 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
 
     error = _guard(write_rank0) if strategy.rank == 0 else ""
     error = strategy.first_error(error)
-    if not error and not full_optimizer:
+    if not error and not full_optimizer:  # DeepSpeedZeRO: every rank writes its own partition
         error = strategy.first_error(_guard(lambda: strategy.save_partitions(tmp / DEEPSPEED_DIR, DEEPSPEED_TAG)))
     if not error:
         rng_file = tmp / f"rng_rank{strategy.rank}.pt"
@@ -158,7 +158,7 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
         raise ValueError(f"{directory} holds {fmt!r} optimizer state from world size {saved_ws}; this learner "
                          f"(strategy {config.strategy!r}, world size {world_size}) needs {want!r}"
                          + (" at the same world size" if partitioned else ""))
-    if partitioned:
+    if partitioned:  # DeepSpeedZeRO: weights and optimizer state from DeepSpeed's own files
         strategy.load_partitions(directory / DEEPSPEED_DIR, DEEPSPEED_TAG)
     else:
         weights: dict[str, torch.Tensor] = {}
