@@ -1,17 +1,8 @@
-"""Collation layout, sample validation, config checks and checkpoint-folder bookkeeping (no model)."""
+"""Collation layout and sample validation (no model)."""
 
 import pytest
 
-from treepo_ray.algo.losses import LossConfig
-from treepo_ray.learner import (
-    LearnerConfig,
-    TrainSample,
-    checkpoint_dir,
-    collate,
-    latest_checkpoint,
-    list_checkpoints,
-    prune_checkpoints,
-)
+from treepo_ray.learner import TrainSample, collate
 
 
 def test_collate_right_pads_and_aligns_response_with_targets():
@@ -52,42 +43,3 @@ def test_collate_per_token_advantages_and_missing_old_logprobs():
 def test_bad_samples_are_named(sample, message):
     with pytest.raises(ValueError, match=message):
         sample.validate("samples[3]", vocab_size=100)
-
-
-def test_config_checks_and_ref_model_default():
-    assert not LearnerConfig().needs_ref_model
-    assert LearnerConfig(loss=LossConfig(kl_coef=0.1)).needs_ref_model
-    assert LearnerConfig(use_ref_model=True).needs_ref_model
-    with pytest.raises(ValueError, match="use_ref_model = False"):
-        LearnerConfig(use_ref_model=False, loss=LossConfig(kl_coef=0.1))
-    with pytest.raises(ValueError, match="strategy"):
-        LearnerConfig(strategy="ddp")
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        LearnerConfig(micro_batch_size=0)
-    with pytest.raises(ValueError, match="betas"):
-        LearnerConfig(betas=[0.9])
-
-
-def _fake_checkpoint(run_dir, step, complete=True):
-    path = checkpoint_dir(run_dir, step)
-    path.mkdir(parents=True)
-    if complete:
-        (path / "trainer_state.json").write_text("{}")
-    return path
-
-
-def test_latest_and_prune(tmp_path):
-    assert latest_checkpoint(tmp_path / "missing") is None
-    paths = [_fake_checkpoint(tmp_path, s) for s in (2, 10, 7)]
-    incomplete = _fake_checkpoint(tmp_path, 11, complete=False)  # no marker: never counted
-    stale = tmp_path / ".checkpoint-00000012.tmp"
-    stale.mkdir()
-    assert paths[1].name == "checkpoint-00000010"
-    assert latest_checkpoint(tmp_path) == paths[1]
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 7, 10]
-    removed = prune_checkpoints(tmp_path, keep=2)
-    assert set(removed) == {paths[0], stale}
-    assert [s for s, _ in list_checkpoints(tmp_path)] == [7, 10]
-    assert incomplete.exists() and not stale.exists()
-    with pytest.raises(ValueError, match="keep"):
-        prune_checkpoints(tmp_path, keep=0)

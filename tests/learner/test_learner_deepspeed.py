@@ -11,9 +11,11 @@ import torch.multiprocessing as mp
 pytest.importorskip("deepspeed")
 
 from treepo_ray.algo.losses import LossConfig  # noqa: E402
-from treepo_ray.engines.tiny import build_tiny_model  # noqa: E402
 from treepo_ray.learner import Learner, LearnerConfig  # noqa: E402
-from learner_testlib import SHARDS, shared_samples  # noqa: E402
+from treepo_ray.learner.strategy import DeepSpeedZeRO, Strategy  # noqa: E402
+from learner_testlib import SHARDS, samples  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def _config() -> LearnerConfig:
@@ -25,7 +27,8 @@ def _config() -> LearnerConfig:
 def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     learner = Learner(model_path, _config(), rank=rank, world_size=2, master_port=port)
-    shard = shared_samples()[SHARDS[rank]]
+    assert type(learner.strategy) is DeepSpeedZeRO
+    shard = samples()[SHARDS[rank]]
     metrics = [learner.train_step(shard) for _ in range(2)]
     ckpt = learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": 2})
     w2 = learner.export_weights()
@@ -50,14 +53,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_deepspeed_zero2_two_ranks(tmp_path):
-    model_path = build_tiny_model(tmp_path / "model")
-    mp.spawn(_worker, args=(str(model_path), _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_deepspeed_zero2_two_ranks(tiny, tmp_path):
+    mp.spawn(_worker, args=(tiny, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r = torch.load(tmp_path / "results.pt", weights_only=False)
 
-    single = Learner(model_path, _config())  # world_size 1: the plain model, whatever the strategy
-    assert single.engine is None
-    want = [single.train_step(shared_samples()) for _ in range(2)]
+    single = Learner(tiny, _config())  # world_size 1: the plain model, whatever the strategy
+    assert type(single.strategy) is Strategy
+    want = [single.train_step(samples()) for _ in range(2)]
     for g, w in zip(r["metrics"], want):
         for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens"):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), key

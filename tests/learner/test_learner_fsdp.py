@@ -8,9 +8,11 @@ import torch
 import torch.multiprocessing as mp
 
 from treepo_ray.algo.losses import LossConfig
-from treepo_ray.engines.tiny import build_tiny_model
 from treepo_ray.learner import Learner, LearnerConfig, TrainSample
-from learner_testlib import SHARDS, shared_samples
+from treepo_ray.learner.strategy import FSDP2
+from learner_testlib import SHARDS, samples
+
+pytestmark = pytest.mark.slow
 
 AGGREGATIONS = ("token-mean", "seq-mean")
 
@@ -31,7 +33,8 @@ def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     results = {}
     for aggregation in AGGREGATIONS:
         learner = Learner(model_path, _config(aggregation), rank=rank, world_size=2, master_port=port)
-        metrics = [learner.train_step(shared_samples()[SHARDS[rank]]) for _ in range(STEPS)]
+        assert type(learner.strategy) is FSDP2
+        metrics = [learner.train_step(samples()[SHARDS[rank]]) for _ in range(STEPS)]
         weights = learner.export_weights()
         if aggregation == "token-mean":
             learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": STEPS})
@@ -49,18 +52,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def test_two_fsdp2_ranks_match_one_process(model_path, tmp_path):
-    mp.spawn(_worker, args=(str(model_path), _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_two_fsdp2_ranks_match_one_process(tiny, tmp_path):
+    mp.spawn(_worker, args=(tiny, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = torch.load(tmp_path / "results.pt", weights_only=False)
 
     for aggregation in AGGREGATIONS:
-        single = Learner(model_path, _config(aggregation))
-        want = [single.train_step(shared_samples()) for _ in range(STEPS)]
+        single = Learner(tiny, _config(aggregation))
+        want = [single.train_step(samples()) for _ in range(STEPS)]
         got_metrics, got_weights = results[aggregation]
         for g, w in zip(got_metrics, want):
             for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples"):
@@ -73,14 +71,14 @@ def test_two_fsdp2_ranks_match_one_process(model_path, tmp_path):
 
         if aggregation == "token-mean":
             # A checkpoint written by 2 ranks resumes in 1 process: same weights, optimizer state, next step.
-            resumed = Learner(model_path, _config(aggregation))
+            resumed = Learner(tiny, _config(aggregation))
             assert resumed.load_checkpoint(tmp_path / "checkpoint-00000002") == {"step": STEPS}
             assert resumed.version == STEPS
             state = {k: v for k, v in resumed.optimizer.state_dict()["state"].items()}
             ref_state = single.optimizer.state_dict()["state"]
             for idx, s in ref_state.items():
                 torch.testing.assert_close(state[idx]["exp_avg_sq"], s["exp_avg_sq"], atol=1e-7, rtol=1e-4)
-            nxt = [TrainSample(s.prompt_ids, s.response_ids, s.advantages, s.weight) for s in shared_samples()]
+            nxt = [TrainSample(s.prompt_ids, s.response_ids, s.advantages, s.weight) for s in samples()]
             a, b = resumed.train_step(nxt), single.train_step([dataclasses.replace(s) for s in nxt])
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
             for k, v in single.export_weights().items():

@@ -5,15 +5,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from treepo_ray.algo.losses import LossConfig
-from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.learner import Learner, LearnerConfig, TrainSample
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                          max_positions=64)
-    return build_tiny_model(tmp_path_factory.mktemp("gn") / "model", cfg)
+def model_path(tiny_model):
+    return tiny_model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      max_positions=64)
 
 
 def learner(model_path):
