@@ -37,6 +37,6 @@ def test_bad_rows_are_skipped_when_asked(bad_set, capsys):
     cfg = load_config(DEFAULT_CONFIG, [f"data.name={bad_set}", "data.prompt.skip_bad_rows=true"])
     train, test = load_task(cfg, build_tokenizer())
     assert "train split: 4 bad rows skipped" in capsys.readouterr().err  # counted out loud, not silently
-    assert [r["ground_truth"] for r in train] == ["2", "8"]
-    assert [r["prompt_text"] for r in train] == ["1 + 1", "4 + 4"]
-    assert [r["ground_truth"] for r in test] == ["10"]
+    assert [r.ground_truth for r in train] == ["2", "8"]
+    assert [r.prompt_text for r in train] == ["1 + 1", "4 + 4"]
+    assert [r.ground_truth for r in test] == ["10"]

@@ -47,11 +47,11 @@ def write_jsonl(path, rows):
 
 def test_verl_layout_jsonl_plain_template(tmp_path, tok):
     recs = load_dataset(write_jsonl(tmp_path / "v.jsonl", VERL_ROWS), tok)
-    assert [r["id"] for r in recs] == ["7", "v/1"]
-    assert recs[0]["prompt_text"] == "What is 1+1?"
-    assert recs[0]["ground_truth"] == "2" and recs[1]["ground_truth"] == "1.5"
-    assert [r["data_source"] for r in recs] == ["aime", "gsm8k"]
-    assert recs[0]["prompt_ids"] == tok("What is 1+1?", add_special_tokens=False).input_ids
+    assert [r.id for r in recs] == ["7", "v/1"]
+    assert recs[0].prompt_text == "What is 1+1?"
+    assert recs[0].ground_truth == "2" and recs[1].ground_truth == "1.5"
+    assert [r.data_source for r in recs] == ["aime", "gsm8k"]
+    assert list(recs[0].prompt_ids) == tok("What is 1+1?", add_special_tokens=False).input_ids
 
 
 def test_verl_layout_parquet_chat_template(tmp_path, chat_tok):
@@ -59,11 +59,11 @@ def test_verl_layout_parquet_chat_template(tmp_path, chat_tok):
     pq.write_table(pa.Table.from_pylist([VERL_ROWS[0], {**VERL_ROWS[0], "extra_info": {"index": 8}}]), path)
     recs = load_dataset(path, chat_tok, DatasetConfig(system_prompt="Box it."))
     assert len(recs) == 2
-    assert recs[0]["prompt_text"] == "<|user|>What is 1+1?\n<|assistant|>"
-    assert recs[0]["prompt_ids"] == chat_tok(recs[0]["prompt_text"], add_special_tokens=False).input_ids
+    assert recs[0].prompt_text == "<|user|>What is 1+1?\n<|assistant|>"
+    assert list(recs[0].prompt_ids) == chat_tok(recs[0].prompt_text, add_special_tokens=False).input_ids
     # a text prompt under a chat template becomes a user message, after the configured system prompt
     recs = load_dataset(write_jsonl(tmp_path / "t.jsonl", VERL_ROWS[1:]), chat_tok, DatasetConfig(system_prompt="Box it."))
-    assert recs[0]["prompt_text"] == "<|system|>Box it.\n<|user|>Half of 3?\n<|assistant|>"
+    assert recs[0].prompt_text == "<|system|>Box it.\n<|user|>Half of 3?\n<|assistant|>"
 
 
 def test_plain_layout_both_formats(tmp_path, tok):
@@ -71,10 +71,10 @@ def test_plain_layout_both_formats(tmp_path, tok):
     path = tmp_path / "p.parquet"
     pq.write_table(pa.Table.from_pylist([{**r, "answer": str(r["answer"])} for r in PLAIN_ROWS]), path)
     p = load_dataset(path, tok, DatasetConfig(plain_template="Problem: {problem}Answer:"))
-    assert [r["prompt_text"] for r in j] == ["Q: 12+30\n", "Q: 1+2\n"]
-    assert [r["ground_truth"] for r in j] == ["42", "3"] and j[1]["id"] == "p2"
-    assert j[0]["data_source"] == "arith"
-    assert p[0]["prompt_text"] == "Problem: Q: 12+30\nAnswer:"
+    assert [r.prompt_text for r in j] == ["Q: 12+30\n", "Q: 1+2\n"]
+    assert [r.ground_truth for r in j] == ["42", "3"] and j[1].id == "p2"
+    assert j[0].data_source == "arith"
+    assert p[0].prompt_text == "Problem: Q: 12+30\nAnswer:"
 
 
 @pytest.mark.parametrize(
@@ -112,9 +112,9 @@ def test_prompt_length_filter_truncate_error(tmp_path, tok):
     rows = [{"problem": "a" * 5, "answer": "1"}, {"problem": "b" * 20, "answer": "2"}]
     path = write_jsonl(tmp_path / "len.jsonl", rows)
     ds = load_dataset(path, tok, DatasetConfig(max_prompt_tokens=10))
-    assert [r["ground_truth"] for r in ds] == ["1"] and ds.overlong_rows == 1
+    assert [r.ground_truth for r in ds] == ["1"] and ds.overlong_rows == 1
     ds = load_dataset(path, tok, DatasetConfig(max_prompt_tokens=10, overlong="truncate_left"))
-    assert len(ds[1]["prompt_ids"]) == 10 and ds[1]["prompt_text"] == "b" * 10
+    assert len(ds[1].prompt_ids) == 10 and ds[1].prompt_text == "b" * 10
     with pytest.raises(ValueError, match="row 1: field 'prompt' has 20 tokens"):
         load_dataset(path, tok, DatasetConfig(max_prompt_tokens=10, overlong="error"))
     with pytest.raises(ValueError, match="overlong"):
@@ -139,7 +139,7 @@ def test_synthetic_splits_through_the_same_loader(tmp_path, tok):
     for name in (str(tmp_path / "syn"), f"{train},{test}"):
         tr, te = load_records(_Data(name), tok)
         assert len(tr) == 20 and len(te) == 4
-        assert tr[0]["data_source"] == DATA_SOURCE and tr[0]["prompt_text"].startswith("Q: ")
+        assert tr[0].data_source == DATA_SOURCE and tr[0].prompt_text.startswith("Q: ")
     tr, te = load_records(_Data(str(train)), tok)
     assert len(tr) == 20 and te == []
     with pytest.raises(ValueError, match="data.name"):
@@ -153,4 +153,4 @@ def test_synthetic_default_files_are_cached(tmp_path, tok):
     tr2, te2 = load_records(_Data("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
     assert (folder / "train.jsonl").stat().st_mtime_ns == before
     assert tr2 == tr and te2 == te and (len(tr), len(te)) == (300, 30)
-    assert not {r["id"] for r in tr} & {r["id"] for r in te}
+    assert not {r.id for r in tr} & {r.id for r in te}

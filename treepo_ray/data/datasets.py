@@ -6,8 +6,7 @@ Two row layouts are read:
   `reward_model.ground_truth`, `data_source`, optionally `extra_info.index`;
 - a plain layout: `problem` and `answer` (optionally `data_source`, `id`).
 
-Every row becomes the record {id, prompt_text, prompt_ids, ground_truth, data_source} (a dict, so records travel
-through Ray and JSON unchanged). The prompt text comes from the tokenizer's chat template when it has one, from
+Every row becomes a `Prompt` record (data/prompts.py). The prompt text comes from the tokenizer's chat template when it has one, from
 `plain_template` otherwise. A row that cannot be read raises ValueError naming the file, the row and the field,
 unless `skip_bad_rows` is set: then it is counted and skipped.
 """
@@ -21,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from treepo_ray.data.prompts import Prompt
 
 OVERLONG = ("filter", "error", "truncate_left", "keep")
 
@@ -57,8 +58,8 @@ class DatasetConfig:
 class LoadedDataset:
     """Records of one or more files, and what was left out."""
 
-    records: list[dict] = field(default_factory=list)
-    """{id, prompt_text, prompt_ids, ground_truth, data_source} per kept row, in file order."""
+    records: list[Prompt] = field(default_factory=list)
+    """One prompt per kept row, in file order."""
     bad_rows: int = 0
     """Rows skipped because they could not be read (only with skip_bad_rows)."""
     overlong_rows: int = 0
@@ -69,7 +70,7 @@ class LoadedDataset:
     def __len__(self) -> int:
         return len(self.records)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Prompt]:
         return iter(self.records)
 
     def __getitem__(self, i):
@@ -214,9 +215,7 @@ def load_dataset(paths: str | Path | list[str | Path], tokenizer, cfg: DatasetCo
                     out.overlong_rows += 1
                     ids = ids[-cfg.max_prompt_tokens :]
                     text = tokenizer.decode(ids)
-            out.records.append(
-                {"id": rid, "prompt_text": text, "prompt_ids": list(ids), "ground_truth": gt, "data_source": source}
-            )
+            out.records.append(Prompt(rid, tuple(ids), gt, source, text))
     return out
 
 
@@ -264,7 +263,7 @@ def _split_files(name: str) -> tuple[list[Path], list[Path]]:
 
 def load_records(data_cfg, tokenizer, cache_dir: str | Path = ".cache/treepo-ray", cfg: DatasetConfig | None = None,
                  synthetic_rows: tuple[int, int] = (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS)
-                 ) -> tuple[list[dict], list[dict]]:
+                 ) -> tuple[list[Prompt], list[Prompt]]:
     """Training and held-out records of the dataset named by `data_cfg.name` (see `_split_files`), or of the
     synthetic task (`name` 'synthetic': `synthetic_rows` problems seeded by `data_cfg.seed`, cached under
     `cache_dir`)."""

@@ -20,23 +20,24 @@ import time
 from pathlib import Path
 
 from treepo_ray.data.metrics import major_at_k, mean_accuracy, pass_at_k, summarize
+from treepo_ray.data.prompts import Prompt
 from treepo_ray.data.sampling import SAMPLERS, SampleSettings, sample_answers
 
 
-def score_answers(records: list[dict], texts: list[list[str]], scorer) -> list[dict]:
+def score_answers(records: list[Prompt], texts: list[list[str]], scorer) -> list[dict]:
     """[{"data_source", "preds", "correct"}] per record, judged by the reward router."""
-    items = [(r["data_source"], t, r["ground_truth"]) for r, ts in zip(records, texts) for t in ts]
+    items = [(r.data_source, t, r.ground_truth) for r, ts in zip(records, texts) for t in ts]
     details = scorer.score_details(items)
     out, pos = [], 0
     for r, ts in zip(records, texts):
         got = details[pos : pos + len(ts)]
         pos += len(ts)
-        out.append({"data_source": r["data_source"], "preds": [d["pred"] for d in got],
+        out.append({"data_source": r.data_source, "preds": [d["pred"] for d in got],
                     "correct": [d["acc"] for d in got]})
     return out
 
 
-def scaling_sweep(records: list[dict], engine, tokenizer, scorer, base: SampleSettings, divergences: list[int],
+def scaling_sweep(records: list[Prompt], engine, tokenizer, scorer, base: SampleSettings, divergences: list[int],
                   rollouts: list[int]) -> list[dict]:
     """Accuracy against rollouts per divergence factor (TreePO Fig. 9), plus sequential sampling as d = 1.
 

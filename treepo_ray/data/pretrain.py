@@ -31,7 +31,7 @@ import torch
 from treepo_ray import config as config_io
 from treepo_ray.data.synthetic import Problem, SyntheticTaskConfig, make_problems, worked_solution
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
-from treepo_ray.rewards.synthetic import verify
+from treepo_ray.rewards.synthetic import DATA_SOURCE, verify
 
 FORMAT_VERSION = 1  # bump when the training recipe changes in a way the settings do not show, to refresh caches
 
@@ -140,12 +140,14 @@ def evaluate_pass1(model_dir: Path, problems: list[Problem], samples: int, tempe
     sampled by the project's engine and sequential grower, the same path as `treepo-ray eval`."""
     from transformers import AutoTokenizer
 
+    from treepo_ray.data.prompts import Prompt
     from treepo_ray.data.sampling import SampleSettings, sample_answers
     from treepo_ray.engines.hf import HFEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = HFEngine(model_dir, num_threads=num_threads, seed=seed)
-    records = [{"id": p.id, "prompt_ids": tokenizer(p.question, add_special_tokens=False).input_ids} for p in problems]
+    records = [Prompt(p.id, tuple(tokenizer(p.question, add_special_tokens=False).input_ids), p.answer,
+                      DATA_SOURCE, p.question) for p in problems]
     # One segment per path: the whole response at once.
     settings = SampleSettings(n=samples, temperature=temperature, max_new_tokens=max_new_tokens,
                               segment_len=max_new_tokens, seed=seed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.decode import safe_decode
 
 SAMPLERS = ("sequential", "treepo")
@@ -39,7 +40,7 @@ def _problem_seed(seed: int, i: int) -> int:
     return seed * 1_000_003 + i
 
 
-def sample_answers(records: list[dict], engine, tokenizer, s: SampleSettings,
+def sample_answers(records: list[Prompt], engine, tokenizer, s: SampleSettings,
                    stats: dict | None = None) -> list[list[str]]:
     """Texts of the sampled responses of each record, grown on `engine` (n per record; 1 when greedy).
     `stats`, when given, receives the driver's counters (generated_tokens, forward_tokens, wall_s, ...)."""
@@ -63,7 +64,7 @@ def sample_answers(records: list[dict], engine, tokenizer, s: SampleSettings,
         make = lambda tree, seed: TreePOGrower(tree, cfg, eos_token_id=eos, decode=decode, seed=seed)  # noqa: E731
     eos = tokenizer.eos_token_id
     decode = lambda ids: safe_decode(tokenizer, ids, skip_special_tokens=True)  # noqa: E731
-    growers = [make(Tree(prompt_ids=list(r["prompt_ids"]), query_id=str(r["id"])), _problem_seed(s.seed, i))
+    growers = [make(Tree(prompt_ids=list(r.prompt_ids), query_id=r.id), _problem_seed(s.seed, i))
                for i, r in enumerate(records)]
     counters = grow(growers, engine, SamplingParams(temperature=s.temperature, top_p=s.top_p))
     if stats is not None:

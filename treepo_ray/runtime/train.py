@@ -94,9 +94,6 @@ def set_up(cfg: TrainConfig) -> Job:
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_set, test_set = load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, cfg=cfg.data.prompt)
-    as_prompt = lambda r: Prompt(str(r["id"]), tuple(r["prompt_ids"]), r["ground_truth"], r["data_source"],  # noqa
-                                 r["prompt_text"])
-    train_set, test_set = [as_prompt(r) for r in train_set], [as_prompt(r) for r in test_set]
     init_ray(cfg)
     return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])
 
