@@ -23,7 +23,6 @@ from treepo_ray.job.config import TrainConfig
 # One core per side: overlap, not extra hardware, is what is measured.
 FAIR = ["runtime.num_engines=1", "runtime.engine_cpus=1", "runtime.learner_ranks=1", "runtime.learner_cpus=1",
         "runtime.torch_threads=1", "runtime.engine_gpus=0", "runtime.learner_gpus=0", "runtime.num_schedulers=1"]
-STAGES = ("time/step", "time/rollout", "time/train", "time/wait")
 
 
 def summarise(rows: list[dict], staleness: int) -> dict:
