@@ -58,3 +58,20 @@ def test_free_form_mappings_take_any_key(tmp_path):
     assert cfg.kwargs == {"block_size": 32, "device": "cpu"} and (cfg.inner.x, cfg.inner.name) == (2, "q")
     with pytest.raises(ValueError, match="unknown key 'nope'"):
         config.load(WithMapping, None, ["inner.nope=1"])
+
+
+def test_a_yaml_file_goes_through_the_same_dotted_overrides(tmp_path):
+    data = {"kwargs": {"block_size": 32}, "inner": {"x": 2, "name": "q: r", "items": [3]}}
+    args = config.file_overrides(WithMapping, data)
+    # Sections are walked into, a free-form mapping is one override (set whole).
+    assert [a.split("=")[0] for a in args] == ["kwargs", "inner.x", "inner.name", "inner.items"]
+    assert config.apply_overrides(WithMapping(), args) == WithMapping(Inner(x=2, name="q: r", items=[3]),
+                                                                      {"block_size": 32})
+    path = tmp_path / "c.yaml"
+    path.write_text("inner:\n  typo: 7\n")
+    with pytest.raises(ValueError, match=r"c.yaml: .*unknown key 'typo'"):
+        config.read_file_overrides(WithMapping, path)
+    path.write_text("- 1\n")
+    with pytest.raises(ValueError, match="c.yaml: expected a mapping of config sections, got list"):
+        config.load(WithMapping, path)
+    assert config.read_file_overrides(WithMapping, None) == []

@@ -1,13 +1,15 @@
-"""A training set with bad rows, through the training job's own loader (config -> runtime.train.load_task -> data
-layer): a clear error naming the row and field by default, the good rows only with data.prompt.skip_bad_rows."""
+"""A training set with bad rows, through the training job's own set-up (job.config.load_config ->
+runtime.train.set_up -> data layer): a clear error naming the row and field by default, the good rows only with
+data.prompt.skip_bad_rows."""
 
 import json
 
 import pytest
 
+from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.tiny import build_tokenizer
-from treepo_ray.runtime.config import DEFAULT_CONFIG, load_config
-from treepo_ray.runtime.train import load_task
+from treepo_ray.job.config import DEFAULT_CONFIG, load_config
+from treepo_ray.runtime.train import set_up
 
 ROWS = [
     {"problem": "1 + 1", "answer": "2"},
@@ -21,22 +23,26 @@ ROWS = [
 
 @pytest.fixture
 def bad_set(tmp_path):
-    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
-    train.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in ROWS) + "\n")
-    test.write_text(json.dumps({"problem": "5 + 5", "answer": "10"}) + "\n")
-    return tmp_path
+    """The data files, and a model directory holding only the tiny tokenizer (all set_up reads of the model)."""
+    data, model = tmp_path / "data", tmp_path / "model"
+    data.mkdir()
+    (data / "train.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in ROWS) + "\n")
+    (data / "test.jsonl").write_text(json.dumps({"problem": "5 + 5", "answer": "10"}) + "\n")
+    build_tokenizer().save_pretrained(model)
+    return [f"data.name={data}", f"model.path={model}"]
 
 
 def test_bad_rows_are_named_by_default(bad_set):
-    cfg = load_config(DEFAULT_CONFIG, [f"data.name={bad_set}"])
+    cfg = load_config(DEFAULT_CONFIG, bad_set)
     with pytest.raises(ValueError, match=r"train.jsonl: row 1: not valid JSON"):
-        load_task(cfg, build_tokenizer())
+        set_up(cfg)  # fails while reading the data, before Ray is started
 
 
-def test_bad_rows_are_skipped_when_asked(bad_set, capsys):
-    cfg = load_config(DEFAULT_CONFIG, [f"data.name={bad_set}", "data.prompt.skip_bad_rows=true"])
-    train, test = load_task(cfg, build_tokenizer())
+@pytest.mark.slow
+def test_bad_rows_are_skipped_when_asked(bad_set, capsys, ray_local):
+    job = set_up(load_config(DEFAULT_CONFIG, [*bad_set, "data.prompt.skip_bad_rows=true"]))
     assert "train split: 4 bad rows skipped" in capsys.readouterr().err  # counted out loud, not silently
-    assert [r.ground_truth for r in train] == ["2", "8"]
-    assert [r.prompt_text for r in train] == ["1 + 1", "4 + 4"]
-    assert [r.ground_truth for r in test] == ["10"]
+    assert all(isinstance(p, Prompt) for p in job.train_set + job.test_set)
+    assert [p.ground_truth for p in job.train_set] == ["2", "8"]
+    assert [p.prompt_text for p in job.train_set] == ["1 + 1", "4 + 4"]
+    assert [p.ground_truth for p in job.test_set] == ["10"]

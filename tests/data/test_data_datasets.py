@@ -1,4 +1,4 @@
-"""Dataset loading: verl and plain layouts, JSONL and Parquet, templates, length limits, bad rows."""
+"""Dataset loading: verl and plain layouts, JSONL and Parquet, templates, length limits, bad rows, routing."""
 
 import json
 
@@ -9,6 +9,7 @@ import pytest
 from treepo_ray.data.datasets import DatasetConfig, load_dataset, load_records
 from treepo_ray.data.synthetic import SyntheticTaskConfig, write_splits
 from treepo_ray.engines.tiny import build_tokenizer
+from treepo_ray.job.config import DEFAULT_CONFIG, load_config
 from treepo_ray.rewards.synthetic import DATA_SOURCE
 
 CHAT = (
@@ -129,28 +130,28 @@ def test_unknown_file_format(tmp_path, tok):
         load_dataset(tmp_path / "none.jsonl", tok)
 
 
-class _Data:
-    def __init__(self, name, seed=0):
-        self.name, self.seed = name, seed
+def data_cfg(name, seed=0):
+    """The job's data section (data.name, data.seed), loaded as `treepo-ray train` loads it."""
+    return load_config(DEFAULT_CONFIG, [f"data.name={name}", f"data.seed={seed}"]).data
 
 
 def test_synthetic_splits_through_the_same_loader(tmp_path, tok):
     train, test = write_splits(tmp_path / "syn", SyntheticTaskConfig(digits=2), 20, 4, seed=0)
     for name in (str(tmp_path / "syn"), f"{train},{test}"):
-        tr, te = load_records(_Data(name), tok)
+        tr, te = load_records(data_cfg(name), tok)
         assert len(tr) == 20 and len(te) == 4
         assert tr[0].data_source == DATA_SOURCE and tr[0].prompt_text.startswith("Q: ")
-    tr, te = load_records(_Data(str(train)), tok)
+    tr, te = load_records(data_cfg(str(train)), tok)
     assert len(tr) == 20 and te == []
     with pytest.raises(ValueError, match="data.name"):
-        load_records(_Data(str(tmp_path / "missing")), tok)
+        load_records(data_cfg(str(tmp_path / "missing")), tok)
 
 
 def test_synthetic_default_files_are_cached(tmp_path, tok):
-    tr, te = load_records(_Data("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
+    tr, te = load_records(data_cfg("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
     (folder,) = [p for p in tmp_path.iterdir()]
     before = (folder / "train.jsonl").stat().st_mtime_ns
-    tr2, te2 = load_records(_Data("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
+    tr2, te2 = load_records(data_cfg("synthetic", seed=3), tok, cache_dir=tmp_path, synthetic_rows=(300, 30))
     assert (folder / "train.jsonl").stat().st_mtime_ns == before
     assert tr2 == tr and te2 == te and (len(tr), len(te)) == (300, 30)
     assert not {r.id for r in tr} & {r.id for r in te}

@@ -12,7 +12,7 @@ from treepo_ray.data.pretrain import PretrainConfig, main as pretrain_main, prep
 from treepo_ray.data.synthetic import SyntheticTaskConfig
 from treepo_ray.engines.tiny import TinyModelConfig
 
-pytestmark = pytest.mark.slow  # pretrains and samples real models
+pytestmark = pytest.mark.slow  # builds and trains models
 
 # A few steps of a very small model: tests the recipe's plumbing, not its accuracy (the real run takes minutes).
 SMALL = PretrainConfig(

@@ -1,11 +1,11 @@
-"""The rank statistics of the CATPO bench's H1 check, by hand (no Ray, no model)."""
+"""The rank statistics of the CATPO benchmark's H1 check (benchmarks/catpo.py), by hand (no Ray, no model)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from treepo_ray.runtime.catpo_bench import average_ranks, pearson, spearman
+from treepo_ray.benchmarks.catpo import average_ranks, pearson, spearman
 
 
 def test_average_ranks_share_ties():

@@ -1,23 +1,19 @@
-"""The elastic generator pool on a real two-node local Ray (ray.cluster_utils.Cluster): engines ask for a custom
-`generator` resource as on the cluster files' generator nodes; a node that joins gets an engine, a node that goes
-(killed, as on a spot preemption) takes its engine with it, with no restart while there is no room; training never
-stops, and pool/size is logged every step."""
+"""The generator pool (runtime/pool.py) following the cluster's size, on a real two-node local Ray
+(ray.cluster_utils.Cluster): engines ask for a custom `generator` resource as on the cluster files' generator nodes;
+a node that joins gets an engine, a node that goes (killed, as on a spot preemption) takes its engine with it, with
+no restart while there is no room; training never stops, and pool/size is logged every step."""
 
 import time
-from pathlib import Path
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from transformers import AutoTokenizer
 
-from treepo_ray import config as config_io
-from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
-from treepo_ray.runtime.config import DEFAULT_CONFIG, TrainConfig
-from treepo_ray.runtime.pipeline import Pipeline, PromptStream
-from treepo_ray.runtime.train import load_task
+from treepo_ray.data.prompts import PromptStream
+from treepo_ray.runtime.pipeline import Pipeline
+from runtime_testlib import CACHE, job
 
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +26,6 @@ def cluster():
     c.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=1, max_positions=256)
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", cfg))
-
-
 def wait_for(condition, timeout_s: float = 90.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -46,36 +36,34 @@ def wait_for(condition, timeout_s: float = 90.0) -> bool:
 
 
 def test_pool_grows_on_a_new_node_and_shrinks_when_the_node_goes(cluster, tiny):
-    cfg = config_io.load(TrainConfig, DEFAULT_CONFIG, [
+    run = job([
         "model.path=" + tiny, f"model.cache_dir={CACHE}", "rollout.treepo.width=4", "rollout.treepo.max_depth=2",
         "rollout.treepo.segment_len=8", "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false",
         "runtime.num_engines=1", "runtime.engine_cpus=0", "runtime.engine_resources={generator: 1}",
         "runtime.elastic.max_engines=2", "runtime.elastic.poll_s=0.2", "algo.dynamic_sampling=false"])
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    records, _ = load_task(cfg, tokenizer)
-    pipe = Pipeline(cfg, tiny, tokenizer)
+    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
     rows, seen = [], {}
 
     def on_step(batch, metrics):
         rows.append((batch, metrics))
         if batch.step == 0:  # the autoscaler adds a generator node
             seen["node"] = cluster.add_node(num_cpus=0, resources={"generator": 1})
-            seen["grew"] = wait_for(lambda: pipe.generators.size == 2)
+            seen["grew"] = wait_for(lambda: pipe.pool.size == 2)
         if batch.step == 3:  # the node is preempted: its raylet and every actor on it die at once
             cluster.remove_node(seen["node"], allow_graceful=False)
-            seen["shrank"] = wait_for(lambda: pipe.generators.size == 1)
+            seen["shrank"] = wait_for(lambda: pipe.pool.size == 1)
         return True
 
     try:
-        assert pipe.train(0, 6, PromptStream(records, 0), on_step, 4) == 6
+        assert pipe.train(0, 6, PromptStream(run.train_set, 0), on_step, 4) == 6
         time.sleep(1.0)  # a few rounds of the pool's watch with the node gone
-        pending, size = len(pipe.generators._pending), pipe.generators.size
+        pending, size = len(pipe.pool._pending), pipe.pool.size
     finally:
         pipe.shutdown()
     assert seen["grew"] and seen["shrank"]
     # Floor 1, ceiling 2: the lost engine is not replaced while no node offers `generator`.
     assert size == 1 and pending == 0
-    assert pipe.generators.joined == 2 and pipe.generators.lost == 1
+    assert pipe.pool.joined == 2 and pipe.pool.lost == 1
     sizes = [m["pool/size"] for _, m in rows]  # logged with each step's batch
     assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1 and 1 in sizes[sizes.index(2):]
     # Training went on throughout: every step trained once on full trees.

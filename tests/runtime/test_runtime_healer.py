@@ -1,44 +1,41 @@
-"""A real small CATPO run on local Ray with a real (random) tiny model: every tree is verified, scored, found
-dead-wrong (a random model never answers right) and healed by the healer actor on the generator pool; grafted
-branches carry their tokens' log-probs given the tree's own prefix, are verified, and train like sampled ones."""
+"""The healer (runtime/healer.py) in a real small CATPO run on local Ray with a real (random) tiny model: every tree
+is verified, scored, found dead-wrong (a random model never answers right) and healed by the healer actor on the
+generator pool; grafted branches carry their tokens' log-probs given the tree's own prefix, are verified, and train
+like sampled ones. A heal the engine refuses is recorded and the tree kept."""
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import ray
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treepo_ray.healing.critique import HealingConfig
+from treepo_ray.data.prompts import PromptStream
 from treepo_ray.healing.logprobs import teacher_forced_logprobs
-from treepo_ray.runtime.catpo import CatpoConfig
-from treepo_ray.runtime.config import CONFIG_DIR, load_config
-from treepo_ray.runtime.healing import make_healer, score_and_heal
-from treepo_ray.runtime.pipeline import Pipeline, PromptStream
-from treepo_ray.runtime.train import load_task
+from treepo_ray.job.config import CONFIG_DIR, load_config
+from treepo_ray.runtime.healer import make_healer, score_and_heal
+from treepo_ray.runtime.pipeline import Pipeline
 from treepo_ray.tree.tree import Tree
+from runtime_testlib import CACHE, job
 
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
+pytestmark = pytest.mark.slow
+
+# 4 prompts x a binary tree of depth 2 with 8-token steps; 2 grafts of a critique of at most 8 tokens.
+SMALL_CATPO = ["rollout.treerpo.n_children=2", "rollout.treerpo.max_depth=2", "rollout.treerpo.step_len=8",
+               "trainer.prompts_per_step=4", "algo.catpo.healing.num_refinements=2",
+               "algo.catpo.healing.critique_max_tokens=8", "runtime.max_staleness=0", "learner.micro_batch_size=8"]
 
 
 @pytest.fixture(scope="module")
 def pipeline(ray_local, tiny):
-    """4 prompts x a binary tree of depth 2 with 8-token steps; 2 grafts of a critique of at most 8 tokens."""
-    cfg = load_config(CONFIG_DIR / "catpo_cpu.yaml", [
-        f"model.path={tiny}", f"model.cache_dir={CACHE}", "rollout.treerpo.n_children=2",
-        "rollout.treerpo.max_depth=2", "rollout.treerpo.step_len=8", "trainer.prompts_per_step=4",
-        "algo.catpo.healing.num_refinements=2", "algo.catpo.healing.critique_max_tokens=8",
-        "runtime.max_staleness=0", "learner.micro_batch_size=8"])
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    records, _ = load_task(cfg, tokenizer)
-    pipe = Pipeline(cfg, tiny, tokenizer)
-    yield pipe, records
+    run = job([f"model.path={tiny}", f"model.cache_dir={CACHE}", *SMALL_CATPO], CONFIG_DIR / "catpo_cpu.yaml")
+    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
+    yield pipe, run
     pipe.shutdown()
 
 
 def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
-    pipe, records = pipeline
-    stream = PromptStream(records, 0)
+    pipe, run = pipeline
+    stream = PromptStream(run.train_set, 0)
     batch = pipe.make_batch(0, stream, num_trees_logged=4)
     m = batch.metrics
     assert m["catpo/dead_wrong"] == 4 and m["catpo/heal_attempts"] == 4 and m["catpo/heal_errors"] == 0
@@ -67,14 +64,15 @@ def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
     assert batch.num_samples == 4 * (4 + 2)  # grafted trajectories train like sampled ones
 
     rows = []
-    done = pipe.train(0, 1, PromptStream(records, 0, position=4), lambda b, mm: rows.append(mm) or True)
+    done = pipe.train(0, 1, PromptStream(run.train_set, 0, position=4), lambda b, mm: rows.append(mm) or True)
     assert done == 1 and rows[0]["train/samples"] == 24 and rows[0]["catpo/heal_attempts"] == 4
 
 
 def test_a_heal_the_engine_refuses_is_recorded_and_the_tree_kept(pipeline, tiny):
     pipe, _ = pipeline
     # A critique of 300 tokens cannot fit the model's 256 positions: the engine refuses the request.
-    cfg = CatpoConfig(healing=HealingConfig(critique_max_tokens=300))
+    cfg = load_config(CONFIG_DIR / "catpo_cpu.yaml", [*SMALL_CATPO, "algo.catpo.healing.critique_max_tokens=300"])
+    cfg = cfg.algo.catpo
     healer = make_healer(pipe.pool, pipe.verifiers, tiny, cfg, step_len=8)
     tree = Tree(prompt_ids=[40, 41, 42], query_id="refused")
     for _ in range(2):

@@ -1,15 +1,17 @@
-"""CATPO phases 2 and 4 through the batch code, on constructed trees with hand-computed F(T) (no Ray, no model)."""
+"""CATPO's plain parts (algo/catpo.py): phase 2 scoring, phase 4 weights reaching the samples, the heal bookkeeping and
+the step metrics, on constructed trees with hand-computed F(T) (no Ray, no model)."""
 
 import math
 
 import pytest
 
+from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, needs_healing, record_heal, sampled_tokens, score_tree
+from treepo_ray.algo.credit import tree_advantages
 from treepo_ray.healing.critique import HealResult
-from treepo_ray.runtime.batch import AlgoConfig, build_samples
-from treepo_ray.runtime.catpo import CatpoConfig, catpo_metrics, catpo_weights, record_heal, sampled_tokens, \
-    score_tree
-from treepo_ray.runtime.config import CONFIG_DIR, load_config
+from treepo_ray.learner.batch import samples_from_trees
 from treepo_ray.tree.tree import Tree
+
+PAPER = dict(tau_low=0.025, tau_high=0.10, var_cut=0.05)  # CATPO Table 1 (the job's defaults: algo.catpo)
 
 
 def flat_tree(rewards, logprobs, qid):
@@ -37,14 +39,15 @@ F_STALE = 0.1875 * (1 - 1.5625 / (2.75 * 0.75))
 
 
 def test_phase2_scores_and_classifies_each_tree():
-    trees, cfg = batch(), CatpoConfig()
-    got = [score_tree(t, cfg) for t in trees]
+    trees = batch()
+    got = [score_tree(t, **PAPER) for t in trees]
     assert [g["regime"] for g in got] == ["informative", "stale", "dead_wrong", "dead_correct"]
     assert [g["F"] for g in got] == pytest.approx([0.1875, F_STALE, 0.0, 0.0])
     assert [g["p"] for g in got] == [0.25, 0.25, 0.0, 1.0]
     assert all(t.meta["catpo"]["F0"] == t.meta["catpo"]["F"] for t in trees)  # nothing healed yet
-    # Thresholds come from the config: with tau_high above 0.1875 the informative tree is stale.
-    assert score_tree(batch()[0], CatpoConfig(tau_high=0.2))["regime"] == "stale"
+    assert [needs_healing(t) for t in trees] == [False, False, True, False]  # only dead-wrong trees are healed
+    # With tau_high above 0.1875 the informative tree is stale.
+    assert score_tree(batch()[0], **{**PAPER, "tau_high": 0.2})["regime"] == "stale"
 
 
 def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
@@ -55,10 +58,9 @@ def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
     assert sum(w) / len(w) == pytest.approx(1.0)  # normalised: the batch's mean weight is 1
     assert catpo_weights([trees[2], trees[3]]) == [1.0, 1.0]  # all F = 0: uniform, not 0/0
 
-    cfg = AlgoConfig(name="catpo")
-    assert cfg.sampler == "treerpo"
-    weighted = build_samples(trees, cfg, tree_weights=w)
-    plain = build_samples(trees, AlgoConfig(name="treerpo"))
+    # What the pipeline does with them (runtime/pipeline.py: make_batch).
+    weighted = samples_from_trees(trees, tree_advantages(trees, "catpo"), w)
+    plain = samples_from_trees(trees, tree_advantages(trees, "treerpo"))
     assert [s.advantages for s in weighted] == [s.advantages for s in plain]  # TreeRPO's credit ...
     assert [s.weight for s in weighted] == pytest.approx([w[0]] * 4 + [w[1]] * 4 + [0.0] * 4 + [0.0] * 4)
     # ... e.g. the informative tree's winner: (1 - 1/4) / (1/4 * 3/4 + eps) with eps = 1e-6 (TreeRPO eq. 2)
@@ -66,9 +68,9 @@ def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
 
 
 def test_step_metrics_count_regimes_healing_and_cost():
-    trees, cfg = batch(), CatpoConfig()
+    trees = batch()
     for t in trees:
-        score_tree(t, cfg)
+        score_tree(t, **PAPER)
     wrong = trees[2]
     # What a heal does to the tree (grafts 2 children of the root, one verified correct), then the rescore.
     g1 = wrong.add_node(0, [11, 12, 13], [-0.5] * 3, "eos")
@@ -79,7 +81,7 @@ def test_step_metrics_count_regimes_healing_and_cost():
     wrong.propagate_rewards()
     record_heal(wrong, HealResult(failure_node=0, grafted=[g1, g2], critique="c", prompt_tokens=30,
                                   generated_tokens=9, rewards=[1.0, 0.0]))
-    healed = score_tree(wrong, cfg)
+    healed = score_tree(wrong, **PAPER)
     assert healed["regime0"] == "dead_wrong" and healed["p"] == pytest.approx(1 / 6) and healed["F"] > 0
     record_heal(trees[3], None, error="refused")  # a failed attempt counts as an attempt, not a heal
 
@@ -97,26 +99,7 @@ def test_step_metrics_count_regimes_healing_and_cost():
     assert sampled_tokens(trees) == 16 + 9
 
 
-def test_unscored_trees_and_bad_thresholds_are_refused():
+def test_unscored_trees_are_refused_and_no_heal_gives_no_healed_share():
     with pytest.raises(ValueError, match="'inf' was never scored"):
         catpo_metrics(batch())
-    with pytest.raises(ValueError, match="tau_low"):
-        CatpoConfig(tau_low=0.2, tau_high=0.1)
-    assert math.isnan(catpo_metrics([t for t in batch() if score_tree(t, CatpoConfig())])["catpo/healed_share"])
-
-
-def test_catpo_configs_hold_the_paper_settings():
-    paper = load_config(CONFIG_DIR / "catpo_paper.yaml")
-    c, t, loss = paper.algo.catpo, paper.rollout.treerpo, paper.learner.loss
-    assert paper.algo.name == "catpo" and (t.n_children, t.max_depth, t.step_len) == (8, 3, 384)
-    assert (c.tau_low, c.tau_high, c.var_cut, c.healing.num_refinements, c.healing.epsilon) == (
-        0.025, 0.10, 0.05, 4, 0.05)
-    assert (c.healing.critique_temperature, c.healing.critique_max_tokens, c.healing.refine_temperature) == (
-        0.3, 256, 0.6)
-    assert (loss.kl_coef, loss.kl_estimator, loss.entropy_coef, loss.clip_low, loss.clip_high) == (
-        0.001, "k3", -0.001, 0.2, 0.2)
-    assert paper.rollout.temperature == paper.learner.temperature == 0.6
-    assert (paper.learner.lr, paper.trainer.prompts_per_step, paper.learner.mini_batches) == (1e-6, 32, 2)
-    cpu = load_config(CONFIG_DIR / "catpo_cpu.yaml")
-    assert cpu.algo.name == "catpo" and cpu.model.engine == "hf" and cpu.runtime.num_engines == 1
-    assert load_config(CONFIG_DIR / "catpo_cpu.yaml", ["algo.name=treerpo"]).algo.sampler == "treerpo"
+    assert math.isnan(catpo_metrics([t for t in batch() if score_tree(t, **PAPER)])["catpo/healed_share"])

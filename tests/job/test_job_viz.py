@@ -1,11 +1,10 @@
-"""Run-directory outputs without Ray: metrics files, the training curve, and the HTML tree view."""
+"""The HTML tree view of a run's saved trees (job/viz.py, `treepo-ray viz`; no Ray)."""
 
 import json
 
 import pytest
 
-from treepo_ray.runtime.logs import LogConfig, RunLogger, read_metrics
-from treepo_ray.runtime.viz import layout, main as viz_main, render_html, reward_colour
+from treepo_ray.job.viz import layout, main as viz_main, render_html, reward_colour
 from treepo_ray.tree import Tree
 
 
@@ -47,23 +46,3 @@ def test_viz_writes_a_self_contained_page(tmp_path, capsys):
 def test_viz_of_a_run_without_trees_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="trees.jsonl"):
         viz_main([str(tmp_path)])
-
-
-def test_logger_writes_metrics_and_a_curve(tmp_path):
-    log = RunLogger(tmp_path, LogConfig(wandb=False, ray_metrics=False), {}, name="t")
-    for step in range(3):
-        line = log.log(step, {"rollout/reward": 0.1 * step, "eval/accuracy": 0.5, "skip": "text", "bad": float("nan")})
-        assert line.startswith(f"step {step}: reward=")
-    log.save_trees(2, [saved_tree(2)])
-    curve = log.close()
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert "bad" not in rows[0] and "skip" not in rows[0]
-    assert curve is not None and curve.stat().st_size > 1000
-    # A resumed run appends; a step logged again keeps its newest values.
-    again = RunLogger(tmp_path, LogConfig(wandb=False, ray_metrics=False), {}, name="t", resume_step=2)
-    again.log(2, {"rollout/reward": 9.0})
-    again.close()
-    assert read_metrics(tmp_path)[-1]["rollout/reward"] == 9.0
-    assert read_metrics(tmp_path)[-1]["eval/accuracy"] == 0.5  # merged with the step's earlier row
-    assert len((tmp_path / "trees.jsonl").read_text().splitlines()) == 1

@@ -1,0 +1,104 @@
+"""Credit assignment over a batch of scored trees (algo/credit.py): hand-computed advantages per algorithm, DAPO's
+filter and the batch statistics (no Ray, no model)."""
+
+import math
+
+import pytest
+
+from treepo_ray.algo.credit import keep_tree, tree_advantages, tree_metrics
+from treepo_ray.tree import Tree
+
+
+def two_level_tree(rewards, seg_len=2):
+    """root -> A(1), B(2); A -> a1(3), a2(4); B -> b1(5), b2(6); every segment `seg_len` tokens."""
+    t = Tree(prompt_ids=[7, 8, 9], query_id="q")
+    for parent in (0, 0, 1, 1, 2, 2):
+        t.add_node(parent, [parent + 10] * seg_len, [-0.5] * seg_len)
+    t.trajectories = [3, 4, 5, 6]
+    t.set_trajectory_rewards(rewards)
+    return t
+
+
+def chains(rewards, length=3):
+    """Sequential sampling as a tree: one chain of one segment per sample."""
+    t = Tree(prompt_ids=[1, 2], query_id="s")
+    for _ in rewards:
+        t.trajectories.append(t.add_node(0, [5] * length, [-1.0] * length))
+    t.set_trajectory_rewards(rewards)
+    return t
+
+
+def test_grpo_advantage_is_group_normalised():
+    (adv,) = tree_advantages([chains([1, 0, 0, 1])], "grpo")
+    # mean 0.5, population std 0.5 -> +-1 (up to eps = 1e-6).
+    assert [round(a, 5) for a in adv] == [1.0, -1.0, -1.0, 1.0]
+    # Without the scale (Dr. GRPO): only the mean is subtracted.
+    assert tree_advantages([chains([1, 0, 0, 1])], "grpo", grpo_scale=False) == [[0.5, -0.5, -0.5, 0.5]]
+
+
+def test_treepo_subgroup_scores_then_token_weighted_whitening():
+    (adv,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treepo")
+    # Scores (level 0 mean 0.25; level 1 means 0.5 and 0; level 2 singletons skipped):
+    # a1 (0.75 + 0.5)/2 = 0.625, a2 (-0.25 - 0.5)/2 = -0.375, b1 = b2 = (-0.25 + 0)/2 = -0.125.
+    # Equal lengths: mean 0, variance 0.140625, std 0.375.
+    assert [round(a, 4) for a in adv] == [1.6667, -1.0, -0.3333, -0.3333]
+
+
+def test_treepo_whitening_spans_the_batch_and_weighs_tokens():
+    short, uniform = chains([1, 0], length=1), chains([0, 0], length=3)
+    # Scores +-0.5 and 0, 0: the uniform tree adds nothing to the mean but counts in the batch's std. By tokens
+    # (weights 1, 1, 3, 3) the variance is 0.5 / 8, std 0.25; one weight per trajectory: 0.5 / 4, std sqrt(1/8).
+    by_tokens = tree_advantages([short, uniform], "treepo")
+    per_trajectory = tree_advantages([short, uniform], "treepo", whiten_by_tokens=False)
+    assert by_tokens == [pytest.approx([2.0, -2.0], abs=1e-4), pytest.approx([0.0, 0.0], abs=1e-6)]
+    assert per_trajectory == [pytest.approx([math.sqrt(2), -math.sqrt(2)], abs=1e-4),
+                              pytest.approx([0.0, 0.0], abs=1e-6)]
+    assert tree_advantages([], "treepo") == []
+
+
+def test_treepo_flat_uses_one_group_per_prompt():
+    (adv,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treepo_flat")
+    # mean 0.25, std sqrt(0.1875) = 0.4330
+    assert adv == pytest.approx([1.7321, -0.5774, -0.5774, -0.5774], abs=1e-3)
+
+
+def test_treerpo_gives_each_segment_its_node_advantage_and_masks_uniform_siblings():
+    (adv,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treerpo")
+    # {A, B}: rewards 0.5, 0 -> mu 0.25, A (0.25)/(0.1875) = 1.3333, B -1.3333.
+    # {a1, a2}: 1, 0 -> mu 0.5 -> +-2.  {b1, b2}: both 0 -> range 0 < 0.1 -> masked (0).
+    assert [[round(a, 4) for a in per_token] for per_token in adv] == [
+        [1.3333, 1.3333, 2.0, 2.0], [1.3333, 1.3333, -2.0, -2.0],
+        [-1.3333, -1.3333, 0.0, 0.0], [-1.3333, -1.3333, 0.0, 0.0]]
+    # CATPO's credit is TreeRPO's (its tree weights are applied by the caller).
+    assert tree_advantages([two_level_tree([1, 0, 0, 0])], "catpo") == [adv]
+    # A prune range above the root's children's spread (0.5) masks them too.
+    (pruned,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treerpo", treerpo_prune_range=0.6)
+    assert [round(a, 4) for a in pruned[0]] == [0.0, 0.0, 2.0, 2.0]
+
+
+def test_dapo_filter_drops_uniform_groups():
+    assert keep_tree(chains([1, 0, 1]))
+    assert not keep_tree(chains([1, 1, 1]))
+    assert not keep_tree(chains([0, 0]))
+
+
+def test_tree_metrics_shared_prefix_share_and_stops():
+    t = two_level_tree([1, 0, 0, 0])
+    t.meta["growth"] = {"branches": 3, "fallbacks": 1, "finish/eos": 4}
+    m = tree_metrics([t, chains([1, 0])])
+    # Tree: 4 paths of 4 tokens = 16, distinct path nodes 6 x 2 = 12; chains: 6 and 6 -> 1 - 18/22.
+    assert m["tree/shared_prefix_share"] == pytest.approx(1 - 18 / 22)
+    assert m["rollout/reward"] == pytest.approx(2 / 6)
+    assert m["rollout/accuracy"] == pytest.approx(2 / 6)
+    assert m["tree/stop_eos"] == 4 and m["tree/depth_max"] == 2
+    assert m["rollout/response_len"] == pytest.approx(22 / 6)
+    assert tree_metrics([]) == {}
+
+
+def test_unknown_algorithm_and_missing_reward_are_errors():
+    with pytest.raises(ValueError, match="'ppo' is not one of"):
+        tree_advantages([chains([1, 0])], "ppo")
+    t = chains([1, 0])
+    t.reward[t.trajectories[0]] = math.nan
+    with pytest.raises(ValueError, match="trajectory 0 has no reward"):
+        tree_advantages([t], "grpo")

@@ -1,0 +1,120 @@
+"""The job's configuration (job/config.py), loaded as `treepo-ray train` loads it (load_config): every YAML under
+jobs/configs loads, the paper settings are what they say, bad values name their key, and the algorithm sections'
+settings reach the code they configure."""
+
+from pathlib import Path
+
+import pytest
+
+from treepo_ray.job.config import CONFIG_DIR, DEFAULT_CONFIG, load_config
+from treepo_ray.tree import Tree
+
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_job_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.learner.temperature == cfg.rollout.temperature  # the learner's log-probs use the sampling temperature
+
+
+def test_treepo_paper_settings():
+    cfg = load_config(CONFIG_DIR / "treepo_paper.yaml")
+    t = cfg.rollout.treepo
+    assert (cfg.algo.name, t.width, t.max_depth, t.segment_len, t.branch_factor) == ("treepo", 16, 14, 512, 2)
+    assert cfg.rollout.temperature == 1.0 and cfg.learner.lr == 1e-6
+    assert (cfg.learner.loss.clip_low, cfg.learner.loss.clip_high, cfg.learner.loss.aggregation) == (0.2, 0.28, "token-mean")
+    assert cfg.algo.dynamic_sampling and cfg.algo.oversample == 3.0 and cfg.algo.max_extra_rounds == 2
+    # Free-form mappings are taken whole from the file (not merged key by key into an empty default).
+    assert cfg.runtime.engine_resources == {"generator_gpu": 1} and cfg.model.engine_kwargs["dtype"] == "bfloat16"
+
+
+def test_default_is_the_cpu_treepo_run_and_overrides_win():
+    cfg = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "model.engine_kwargs={max_batch_size: 64}"])
+    assert DEFAULT_CONFIG.name == "cpu.yaml" and cfg.algo.sampler == "sequential"
+    assert cfg.model.engine_kwargs == {"max_batch_size": 64} and cfg.runtime.engine_gpus == 0
+    assert load_config(DEFAULT_CONFIG).algo.name == "treepo"
+
+
+def test_each_algorithm_brings_its_loss_and_sampling_protocol_unless_set_explicitly():
+    grpo = load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).learner.loss
+    assert (grpo.aggregation, grpo.clip_high, grpo.kl_coef) == ("seq-mean", 0.2, 0.001)
+    treepo = load_config(DEFAULT_CONFIG).learner.loss
+    assert (treepo.aggregation, treepo.clip_low, treepo.clip_high, treepo.kl_coef) == ("token-mean", 0.2, 0.28, 0.0)
+    mine = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "learner.loss.kl_coef=0"]).learner.loss
+    assert mine.kl_coef == 0.0 and mine.aggregation == "seq-mean"
+    assert load_config(DEFAULT_CONFIG).algo.filters_groups  # TreePO trains with DAPO's dynamic sampling
+    assert not load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).algo.filters_groups
+    assert not load_config(DEFAULT_CONFIG, ["algo.dynamic_sampling=false"]).algo.filters_groups
+    plain = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "algo.loss_preset=false"]).learner.loss
+    assert plain.aggregation == "token-mean" and plain.kl_coef == 0.0
+
+
+def test_bad_keys_and_values_name_the_file_or_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  treepo:\n    widht: 4\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: .*unknown key 'widht'"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="algo.name"):
+        load_config(DEFAULT_CONFIG, ["algo.name=ppo"])
+    with pytest.raises(ValueError, match="max_staleness"):
+        load_config(DEFAULT_CONFIG, ["runtime.max_staleness=-1"])
+    with pytest.raises(ValueError, match="trainer.resume"):
+        load_config(DEFAULT_CONFIG, [f"trainer.resume={Path(tmp_path) / 'missing'}"])
+
+
+def test_catpo_configs_hold_the_paper_settings():
+    paper = load_config(CONFIG_DIR / "catpo_paper.yaml")
+    c, t, loss = paper.algo.catpo, paper.rollout.treerpo, paper.learner.loss
+    assert paper.algo.name == "catpo" and (t.n_children, t.max_depth, t.step_len) == (8, 3, 384)
+    assert (c.tau_low, c.tau_high, c.var_cut, c.healing.num_refinements, c.healing.epsilon) == (
+        0.025, 0.10, 0.05, 4, 0.05)
+    assert (c.healing.critique_temperature, c.healing.critique_max_tokens, c.healing.refine_temperature) == (
+        0.3, 256, 0.6)
+    assert (loss.kl_coef, loss.kl_estimator, loss.entropy_coef, loss.clip_low, loss.clip_high) == (
+        0.001, "k3", -0.001, 0.2, 0.2)
+    assert paper.rollout.temperature == paper.learner.temperature == 0.6
+    assert (paper.learner.lr, paper.trainer.prompts_per_step, paper.learner.mini_batches) == (1e-6, 32, 2)
+    cpu = load_config(CONFIG_DIR / "catpo_cpu.yaml")
+    assert cpu.algo.name == "catpo" and cpu.model.engine == "hf" and cpu.runtime.num_engines == 1
+    assert load_config(CONFIG_DIR / "catpo_cpu.yaml", ["algo.name=treerpo"]).algo.sampler == "treerpo"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("runtime.faults.max_resends=-1", "runtime.faults.max_resends = -1"),
+    ("runtime.faults.verifier_call_timeout_s=0", "runtime.faults.verifier_call_timeout_s = 0"),
+    ("runtime.chaos.how=nuke", "runtime.chaos.how = 'nuke'"),
+    ("runtime.chaos.kill_generator_every=-1", "runtime.chaos.kill_generator_every = -1"),
+    ("runtime.elastic.max_engines=-2", "runtime.elastic.max_engines = -2"),
+    ("algo.oversample=0.5", "algo.oversample = 0.5"),
+    ("algo.catpo.tau_low=0.2", r"need 0 <= tau_low \(0.2\) <= tau_high \(0.1\)"),
+    ("algo.catpo.var_cut=0", "algo.catpo.var_cut = 0"),
+])
+def test_bad_runtime_and_algorithm_values_name_their_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(DEFAULT_CONFIG, [override])
+
+
+def chains(rewards):
+    t = Tree(prompt_ids=[1, 2], query_id="s")
+    for _ in rewards:
+        t.trajectories.append(t.add_node(0, [5, 5], [-1.0, -1.0]))
+    t.set_trajectory_rewards(rewards)
+    return t
+
+
+def test_algorithm_settings_reach_the_credit_and_the_catpo_scoring():
+    grpo = load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).algo
+    assert [round(a, 5) for a in grpo.advantages([chains([1, 0, 0, 1])])[0]] == [1.0, -1.0, -1.0, 1.0]
+    unscaled = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "algo.grpo_scale=false"]).algo
+    assert unscaled.advantages([chains([1, 0, 0, 1])]) == [[0.5, -0.5, -0.5, 0.5]]
+    assert load_config(DEFAULT_CONFIG, ["algo.name=catpo"]).algo.sampler == "treerpo"
+    # Four one-token leaves, one right, equal log-probs: p = 1/4 and F = 3/16 = 0.1875, informative under the
+    # paper's tau_high (0.10), stale under a tau_high above F.
+    tree = Tree(prompt_ids=[5, 6], query_id="t")
+    for _ in range(4):
+        tree.add_node(0, [10], [-1.0], "eos")
+    tree.trajectories = tree.leaves()
+    tree.set_trajectory_rewards([1, 0, 0, 0])
+    assert load_config(DEFAULT_CONFIG).algo.catpo.score(tree)["regime"] == "informative"
+    assert load_config(DEFAULT_CONFIG, ["algo.catpo.tau_high=0.2"]).algo.catpo.score(tree)["regime"] == "stale"
