@@ -7,6 +7,7 @@ the job's top-level config composes them. Unknown keys are errors, never silentl
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -129,7 +130,7 @@ def file_overrides(cls: type, data: dict, prefix: str = "") -> list[str]:
         if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
             out += file_overrides(sub, value, f"{prefix}{key}.")
         else:
-            out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()}")
+            out.append(f"{prefix}{key}={json.dumps(value)}")  # JSON is YAML: read back by apply_overrides
     return out
 
 

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, needs_healing, record_heal, sampled_tokens, score_tree
-from treepo_ray.algo.credit import tree_advantages
 from treepo_ray.healing.critique import HealResult
+from treepo_ray.job.config import AlgoConfig
 from treepo_ray.learner.batch import samples_from_trees
 from treepo_ray.tree.tree import Tree
 
@@ -59,8 +59,8 @@ def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
     assert catpo_weights([trees[2], trees[3]]) == [1.0, 1.0]  # all F = 0: uniform, not 0/0
 
     # What the pipeline does with them (runtime/pipeline.py: make_batch).
-    weighted = samples_from_trees(trees, tree_advantages(trees, "catpo"), w)
-    plain = samples_from_trees(trees, tree_advantages(trees, "treerpo"))
+    weighted = samples_from_trees(trees, AlgoConfig(name="catpo").advantages(trees), w)
+    plain = samples_from_trees(trees, AlgoConfig(name="treerpo").advantages(trees))
     assert [s.advantages for s in weighted] == [s.advantages for s in plain]  # TreeRPO's credit ...
     assert [s.weight for s in weighted] == pytest.approx([w[0]] * 4 + [w[1]] * 4 + [0.0] * 4 + [0.0] * 4)
     # ... e.g. the informative tree's winner: (1 - 1/4) / (1/4 * 3/4 + eps) with eps = 1e-6 (TreeRPO eq. 2)

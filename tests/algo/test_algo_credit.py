@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from treepo_ray.algo.credit import keep_tree, tree_advantages, tree_metrics
+from treepo_ray.algo.credit import keep_tree, tree_metrics
+from treepo_ray.job.config import AlgoConfig
 from treepo_ray.tree import Tree
 
 
@@ -29,15 +30,15 @@ def chains(rewards, length=3):
 
 
 def test_grpo_advantage_is_group_normalised():
-    (adv,) = tree_advantages([chains([1, 0, 0, 1])], "grpo")
+    (adv,) = AlgoConfig(name="grpo").advantages([chains([1, 0, 0, 1])])
     # mean 0.5, population std 0.5 -> +-1 (up to eps = 1e-6).
     assert [round(a, 5) for a in adv] == [1.0, -1.0, -1.0, 1.0]
     # Without the scale (Dr. GRPO): only the mean is subtracted.
-    assert tree_advantages([chains([1, 0, 0, 1])], "grpo", grpo_scale=False) == [[0.5, -0.5, -0.5, 0.5]]
+    assert AlgoConfig(name="grpo", grpo_scale=False).advantages([chains([1, 0, 0, 1])]) == [[0.5, -0.5, -0.5, 0.5]]
 
 
 def test_treepo_subgroup_scores_then_token_weighted_whitening():
-    (adv,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treepo")
+    (adv,) = AlgoConfig(name="treepo").advantages([two_level_tree([1, 0, 0, 0])])
     # Scores (level 0 mean 0.25; level 1 means 0.5 and 0; level 2 singletons skipped):
     # a1 (0.75 + 0.5)/2 = 0.625, a2 (-0.25 - 0.5)/2 = -0.375, b1 = b2 = (-0.25 + 0)/2 = -0.125.
     # Equal lengths: mean 0, variance 0.140625, std 0.375.
@@ -48,31 +49,31 @@ def test_treepo_whitening_spans_the_batch_and_weighs_tokens():
     short, uniform = chains([1, 0], length=1), chains([0, 0], length=3)
     # Scores +-0.5 and 0, 0: the uniform tree adds nothing to the mean but counts in the batch's std. By tokens
     # (weights 1, 1, 3, 3) the variance is 0.5 / 8, std 0.25; one weight per trajectory: 0.5 / 4, std sqrt(1/8).
-    by_tokens = tree_advantages([short, uniform], "treepo")
-    per_trajectory = tree_advantages([short, uniform], "treepo", whiten_by_tokens=False)
+    by_tokens = AlgoConfig(name="treepo").advantages([short, uniform])
+    per_trajectory = AlgoConfig(name="treepo", whiten_by_tokens=False).advantages([short, uniform])
     assert by_tokens == [pytest.approx([2.0, -2.0], abs=1e-4), pytest.approx([0.0, 0.0], abs=1e-6)]
     assert per_trajectory == [pytest.approx([math.sqrt(2), -math.sqrt(2)], abs=1e-4),
                               pytest.approx([0.0, 0.0], abs=1e-6)]
-    assert tree_advantages([], "treepo") == []
+    assert AlgoConfig(name="treepo").advantages([]) == []
 
 
 def test_treepo_flat_uses_one_group_per_prompt():
-    (adv,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treepo_flat")
+    (adv,) = AlgoConfig(name="treepo_flat").advantages([two_level_tree([1, 0, 0, 0])])
     # mean 0.25, std sqrt(0.1875) = 0.4330
     assert adv == pytest.approx([1.7321, -0.5774, -0.5774, -0.5774], abs=1e-3)
 
 
 def test_treerpo_gives_each_segment_its_node_advantage_and_masks_uniform_siblings():
-    (adv,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treerpo")
+    (adv,) = AlgoConfig(name="treerpo").advantages([two_level_tree([1, 0, 0, 0])])
     # {A, B}: rewards 0.5, 0 -> mu 0.25, A (0.25)/(0.1875) = 1.3333, B -1.3333.
     # {a1, a2}: 1, 0 -> mu 0.5 -> +-2.  {b1, b2}: both 0 -> range 0 < 0.1 -> masked (0).
     assert [[round(a, 4) for a in per_token] for per_token in adv] == [
         [1.3333, 1.3333, 2.0, 2.0], [1.3333, 1.3333, -2.0, -2.0],
         [-1.3333, -1.3333, 0.0, 0.0], [-1.3333, -1.3333, 0.0, 0.0]]
     # CATPO's credit is TreeRPO's (its tree weights are applied by the caller).
-    assert tree_advantages([two_level_tree([1, 0, 0, 0])], "catpo") == [adv]
+    assert AlgoConfig(name="catpo").advantages([two_level_tree([1, 0, 0, 0])]) == [adv]
     # A prune range above the root's children's spread (0.5) masks them too.
-    (pruned,) = tree_advantages([two_level_tree([1, 0, 0, 0])], "treerpo", treerpo_prune_range=0.6)
+    (pruned,) = AlgoConfig(name="treerpo", treerpo_prune_range=0.6).advantages([two_level_tree([1, 0, 0, 0])])
     assert [round(a, 4) for a in pruned[0]] == [0.0, 0.0, 2.0, 2.0]
 
 
@@ -96,9 +97,9 @@ def test_tree_metrics_shared_prefix_share_and_stops():
 
 
 def test_unknown_algorithm_and_missing_reward_are_errors():
-    with pytest.raises(ValueError, match="'ppo' is not one of"):
-        tree_advantages([chains([1, 0])], "ppo")
+    with pytest.raises(ValueError, match="algo.name = 'ppo'"):
+        AlgoConfig(name="ppo").advantages([chains([1, 0])])
     t = chains([1, 0])
     t.reward[t.trajectories[0]] = math.nan
     with pytest.raises(ValueError, match="trajectory 0 has no reward"):
-        tree_advantages([t], "grpo")
+        AlgoConfig(name="grpo").advantages([t])

@@ -9,6 +9,8 @@ from treepo_ray.engines.hf import HFEngine
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.healing.logprobs import engine_logprobs, teacher_forced_logprobs
 
+pytestmark = pytest.mark.slow  # builds and runs a model
+
 
 @pytest.fixture(scope="module")
 def padded_model(tmp_path_factory):

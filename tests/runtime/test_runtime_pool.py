@@ -7,8 +7,6 @@ import time
 import pytest
 
 from treepo_ray.data.prompts import PromptStream
-from treepo_ray.engines.base import SamplingParams, SegmentRequest, generate
-from treepo_ray.engines.hf import HFEngine
 from treepo_ray.runtime.pipeline import Pipeline
 from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
 from treepo_ray.runtime.recovery import kill_actor
@@ -52,27 +50,6 @@ def test_engine_spec_asks_for_configured_resources():
     assert spec.demand() == {"CPU": 1.0, "generator_gpu": 1.0}
     assert spec.fits({"CPU": 4.0, "generator_gpu": 1.0})
     assert not spec.fits({"CPU": 4.0}) and not spec.fits({"CPU": 0.5, "generator_gpu": 2.0})
-
-
-@pytest.mark.slow
-def test_hf_engine_falls_back_to_prefix_ids_for_a_cache_key_it_does_not_know(tiny):
-    first = HFEngine(tiny)
-    prompt = [5, 6, 7, 8]
-    (r,) = generate(first, [SegmentRequest("r0", prompt, 6, params=SamplingParams(seed=1), stop_at_eos=False)])
-    child = r.children[0]
-    assert child.cache_key is not None
-    prefix = prompt + child.token_ids
-    follow = lambda key: SegmentRequest("r1", prefix, 6, n=2, params=SamplingParams(seed=2),  # noqa: E731
-                                        parent_key=key, stop_at_eos=False)
-    (cached,) = generate(first, [follow(child.cache_key)])
-    # A new engine (the replacement of a dead one) gets the dead engine's key: unknown here, so it recomputes the
-    # prefix from the ids, and seeded sampling gives the same tokens.
-    second = HFEngine(tiny)
-    (resent,) = generate(second, [follow(child.cache_key)])
-    assert [c.token_ids for c in resent.children] == [c.token_ids for c in cached.children]
-    assert second.stats()["cache_hits"] == 0 and first.stats()["cache_hits"] >= 1
-    for a, b in zip(resent.children, cached.children):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
 @pytest.mark.slow

@@ -33,9 +33,8 @@ def keep_tree(tree: Tree) -> bool:
     return dapo_keep_group(trajectory_rewards(tree))
 
 
-def tree_advantages(trees: list[Tree], algorithm: str, treepo_weighting: str = "average",
-                    whiten_by_tokens: bool = True, grpo_scale: bool = True,
-                    treerpo_prune_range: float = 0.1) -> list[list[Advantage]]:
+def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str, whiten_by_tokens: bool,
+                    grpo_scale: bool, treerpo_prune_range: float) -> list[list[Advantage]]:
     """The advantage of every trajectory of every tree (`out[t][k]`: tree t's k-th trajectory).
 
     treepo: TreePO eq. 5 numerator per prompt, then one whitening over the whole batch (weighted by tokens when

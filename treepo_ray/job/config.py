@@ -130,8 +130,9 @@ class AlgoConfig:
 
     def advantages(self, trees: list) -> list:
         """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py)."""
-        return tree_advantages(trees, self.name, self.treepo_weighting, self.whiten_by_tokens, self.grpo_scale,
-                               self.treerpo_prune_range)
+        return tree_advantages(trees, self.name, treepo_weighting=self.treepo_weighting,
+                               whiten_by_tokens=self.whiten_by_tokens, grpo_scale=self.grpo_scale,
+                               treerpo_prune_range=self.treerpo_prune_range)
 
 
 # ---------------------------------------------------------------------------------------------- runtime

@@ -122,7 +122,11 @@ class GeneratorPool:
         self.init_failures = 0  # engines in a row whose constructor raised (3: replacements stop)
         for _ in range(num_engines):
             self._spawn()
-        self._await_first(startup_timeout_s)
+        try:
+            self._await_first(startup_timeout_s)
+        except BaseException:
+            self.close()  # no engine came up: leave no actor behind (the registry included)
+            raise
 
     def __getstate__(self) -> dict:
         return {k: self.__dict__[k] for k in self._ROUTING}
@@ -158,11 +162,6 @@ class GeneratorPool:
             self._home[query_id] = home
             self._trees[home] += 1
         return home
-
-    def engine_of(self, query_id: str) -> int:
-        """Position in `engines` of the engine `query_id`'s tree lives on (chosen now if it has none). Positions
-        shift when members change; use it at once (`pool.engines[pool.engine_of(q)]`)."""
-        return list(self._engines).index(self._home_of(query_id))
 
     async def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()

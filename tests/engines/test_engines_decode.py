@@ -1,5 +1,5 @@
-"""What the tree scheduler (runtime/scheduler.py) relies on to hand model output to its verifiers: decoding never
-raises, whatever ids a model sampled (engines/decode.py: safe_decode; no Ray, no model)."""
+"""Decoding model output never raises, whatever ids a model sampled (engines/decode.py: safe_decode; what the tree
+scheduler relies on to hand model output to its verifiers). No Ray, no model."""
 
 import pytest
 
