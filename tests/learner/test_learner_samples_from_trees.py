@@ -2,7 +2,7 @@
 
 import pytest
 
-from treepo_ray.algo.credit import tree_advantages
+from treepo_ray.job.config import AlgoConfig
 from treepo_ray.learner.batch import samples_from_trees
 from treepo_ray.tree import Tree
 
@@ -18,7 +18,7 @@ def chains(rewards, length=3, token=5):
 
 def test_one_sample_per_trajectory_with_its_advantage_and_no_old_logprobs():
     trees = [chains([1, 0, 0, 1]), chains([0, 1], length=2, token=6)]
-    samples = samples_from_trees(trees, tree_advantages(trees, "grpo"))
+    samples = samples_from_trees(trees, AlgoConfig(name="grpo").advantages(trees))
     assert [round(s.advantages, 5) for s in samples] == [1.0, -1.0, -1.0, 1.0, -1.0, 1.0]
     assert samples[0].prompt_ids == [1, 2] and samples[0].response_ids == [5, 5, 5]
     assert samples[4].response_ids == [6, 6]
@@ -28,7 +28,7 @@ def test_one_sample_per_trajectory_with_its_advantage_and_no_old_logprobs():
 
 def test_tree_weights_scale_every_sample_of_a_tree():
     trees = [chains([1, 0]), chains([0, 1])]
-    samples = samples_from_trees(trees, tree_advantages(trees, "grpo"), tree_weights=[0.5, 2.0])
+    samples = samples_from_trees(trees, AlgoConfig(name="grpo").advantages(trees), tree_weights=[0.5, 2.0])
     assert [s.weight for s in samples] == [0.5, 0.5, 2.0, 2.0]
     with pytest.raises(ValueError, match="1 trees but 1 advantage lists and 2 weights"):
-        samples_from_trees(trees[:1], tree_advantages(trees[:1], "grpo"), tree_weights=[1.0, 1.0])
+        samples_from_trees(trees[:1], AlgoConfig(name="grpo").advantages(trees[:1]), tree_weights=[1.0, 1.0])
