@@ -158,7 +158,6 @@ class Pipeline:
             metrics.update(catpo_metrics(grown, weights))
         after = self._engine_counters()
         fwd = sum(c.get("forward_tokens", 0) - before.get(e, {}).get("forward_tokens", 0) for e, c in after.items())
-        metrics.update(self.fault_metrics())
         unique = metrics.get("tree/unique_tokens", 0.0)
         trajectories = sum(len(t.trajectories) for t in grown)
         metrics.update({
@@ -276,6 +275,9 @@ class Pipeline:
                 slots.release()
                 now = time.perf_counter()
                 metrics.update(batch.metrics)
+                # Fault events are drained here, not when the batch was grown: a batch dropped unseen (its learner
+                # was lost) would take its events with it.
+                metrics.update(self.fault_metrics())
                 metrics.update({"perf/staleness": float(staleness), "time/train": t_pub - t_train,
                                 "time/publish": now - t_pub, "time/wait": waited, "time/step": now - last})
                 last = now
