@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0 WANDB_MODE=${WANDB_MODE:-offline}
 bash scripts/setup.sh
+.venv/bin/lint-imports  # the layers of ARCHITECTURE.md (contracts in pyproject.toml)
 .venv/bin/python -m pytest -q "$@"
 bash scripts/setup_vllm.sh
 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_engine.py
