@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from treepo_ray.config import UserError
+
 COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
     "eval": ("treepo_ray.data.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset"),
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     if name == "bench" and rest and rest[0] in BENCHMARKS:  # `bench NAME ...`; plain `bench` is the engine's
         module_name, rest = BENCHMARKS[rest[0]], rest[1:]
     module = importlib.import_module(module_name)
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except UserError as err:  # a bad key, path or row: one line, never a traceback
+        print(f"treepo-ray {name}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
