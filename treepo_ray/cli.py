@@ -9,7 +9,7 @@ from treepo_ray.config import UserError
 
 COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
-    "eval": ("treepo_ray.data.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset"),
+    "eval": ("treepo_ray.job.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset (the train's config keys)"),
     "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling on one engine; `bench NAME ...` runs "
                                               "another benchmark (chaos, overlap, catpo)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),

@@ -10,13 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from treepo_ray import config as config_io
+from treepo_ray.config import UserError
 from treepo_ray.algo.catpo import score_tree
 from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
-from treepo_ray.data.datasets import DatasetConfig
+from treepo_ray.data.datasets import DataConfig
+from treepo_ray.data.evaluate import EvalConfig
 from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.job.logs import LogConfig
 from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.rewards.custom import RewardFunctionConfig
 from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
 
 # The CPU demo configuration `treepo-ray train` runs when given no YAML file.
@@ -218,28 +223,15 @@ class ModelConfig:
     """The policy model and the engine that samples from it."""
 
     path: str = ""
-    """Hugging Face model directory; empty = the tiny base model of the synthetic task (built once, cached)."""
+    """A Hugging Face model directory (`~` expanded) or hub id such as Qwen/Qwen2.5-0.5B, read from the local
+    Hugging Face cache (HF_HUB_CACHE) without network; empty = the tiny base model of the synthetic task (built
+    once, cached)."""
     cache_dir: str = ".cache/treepo-ray"
     """Where the tiny base model and the synthetic data are cached."""
     engine: str = "hf"
     """Generation backend (treepo_ray.engines.make_engine): 'hf' or 'vllm'."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of the engine's constructor."""
-
-
-@dataclass
-class DataConfig:
-    """The prompts: the synthetic task, or local dataset files (see treepo_ray.data.load_records)."""
-
-    name: str = "synthetic"
-    """'synthetic' (the built-in addition task), a folder with train/test files, 'train.jsonl,test.jsonl', or one
-    file (then nothing is held out)."""
-    seed: int = 0
-    """Seed of the synthetic task's problems and of the base model's pretraining."""
-    shuffle: bool = True
-    """Shuffle the training prompts every epoch (deterministically from trainer.seed and the epoch)."""
-    prompt: DatasetConfig = field(default_factory=DatasetConfig)
-    """How rows become prompts (chat template, length limit, bad rows)."""
 
 
 @dataclass
@@ -363,6 +355,8 @@ class TrainConfig:
     """Policy model and engine."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
+    custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
+    """Your own reward function (verl's custom_reward_function.path / .name); unset = the built-in scorers."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -379,12 +373,41 @@ class TrainConfig:
         return self.rollout.sampler_config(self.algo.sampler)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors name the file and key.
-    The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly."""
-    args = config_io.read_file_overrides(TrainConfig, path) + list(overrides or [])
-    cfg = config_io.load(TrainConfig, None, args)
+@dataclass
+class EvalJobConfig(TrainConfig):
+    """Everything `treepo-ray eval` reads: the training job's keys (a training config file works as is) plus the
+    eval section."""
+
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """What evaluation sets beyond the training job's keys (split, sampler, k, sweep, output folder)."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors (UserError) name the file
+    and key. The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly. `cls`: TrainConfig,
+    or EvalJobConfig for `treepo-ray eval`."""
+    args = config_io.read_file_overrides(cls, path) + list(overrides or [])
+    cfg = config_io.load(cls, None, args)
     if not cfg.algo.loss_preset:
         return cfg
     preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
-    return config_io.load(TrainConfig, None, preset + args)
+    return config_io.load(cls, None, preset + args)
+
+
+def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """A command line `[config.yaml] [key.sub=value ...]` (default file: jobs/configs/cpu.yaml) as a config of
+    `cls`; UserError on a missing file, a bad key or an argument that is not key=value."""
+    path: Path = DEFAULT_CONFIG
+    if argv and "=" not in argv[0]:
+        path, argv = Path(argv[0]), argv[1:]
+    for arg in argv:
+        if "=" not in arg:
+            raise UserError(f"{arg!r} is not a key=value override (usage: treepo-ray {command} [config.yaml] "
+                            f"[key.sub=value ...])")
+    return load_config(path, argv, cls)
+
+
+def print_config(cfg: TrainConfig) -> None:
+    """The resolved config (defaults, file and overrides applied), as the command will use it."""
+    print("resolved config:\n" + yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False), flush=True)

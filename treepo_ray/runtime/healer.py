@@ -75,7 +75,7 @@ class HealerActor:
 
         def score(t: Tree, node: int) -> float:
             solution = safe_decode(tokenizer, t.response_ids(node), skip_special_tokens=True)
-            item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"])
+            item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"], t.meta.get("extra_info", {}))
             return ray.get(self.verifiers.score([item]))[0]
 
         healer = CritiqueHealer(tokenizer, generate, logprobs, score, self.cfg)

@@ -71,7 +71,7 @@ class Pipeline:
         self.pool = GeneratorPool(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
                                   rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s)
         self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
-                                            self.pool.registry, rt.faults)
+                                            self.pool.registry, rt.faults, cfg.custom_reward_function)
         sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
         # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
@@ -204,9 +204,9 @@ class Pipeline:
                                SamplingParams(temperature=temperature, seed=1_000_003 * i))
                 for i, p in enumerate(problems)]
         results = self.pool.generate_now(reqs)  # spread over the live engines, re-sent if one dies
-        triples = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
-                    p.ground_truth) for p, r in zip(problems, results) for c in r.children]
-        rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
+        items = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
+                  p.ground_truth, p.extra_info) for p, r in zip(problems, results) for c in r.children]
+        rewards = np.array(ray.get(self.verifiers.score(items)), dtype=np.float64)
         lengths = [len(c.token_ids) for r in results for c in r.children]
         return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
                 "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),

@@ -72,9 +72,10 @@ class TreeScheduler:
         if not grower.done():
             raise RuntimeError(f"the grower of {qid!r} stopped asking before its tree was done")
         solutions = [self.decode(tree.response_ids(n)) for n in tree.trajectories]
-        triples = [(prompt.data_source, s, prompt.ground_truth) for s in solutions]
-        tree.set_trajectory_rewards(await self.verifiers.score(triples) if triples else [])
-        tree.meta.update(ground_truth=prompt.ground_truth, data_source=prompt.data_source)
+        items = [(prompt.data_source, s, prompt.ground_truth, prompt.extra_info) for s in solutions]
+        tree.set_trajectory_rewards(await self.verifiers.score(items) if items else [])
+        tree.meta.update(ground_truth=prompt.ground_truth, data_source=prompt.data_source,
+                         extra_info=prompt.extra_info)
         if self.catpo is not None:  # CATPO phases 2-3: score the tree, heal it if dead-wrong (healer.py)
             tree = await score_and_heal(tree, self.catpo, self.healer, prompt.seed)
         return tree

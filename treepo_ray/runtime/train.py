@@ -20,8 +20,10 @@ from pathlib import Path
 import yaml
 
 from treepo_ray import config as config_io
+from treepo_ray.config import UserError
 from treepo_ray.data.prompts import Prompt, PromptStream
-from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.job.config import TrainConfig, parse_config, print_config
+from treepo_ray.job.inputs import check_inputs, load_prompts, resolve_model
 from treepo_ray.job.state import TrainerState
 
 
@@ -59,16 +61,6 @@ def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
     return run_dir, (latest_checkpoint(run_dir) if resume == "auto" else None)
 
 
-def resolve_model(cfg: TrainConfig) -> str:
-    if cfg.model.path:
-        if not Path(cfg.model.path).is_dir():
-            raise ValueError(f"model.path = {cfg.model.path!r} is not a model directory")
-        return cfg.model.path
-    from treepo_ray.data.pretrain import prepare_base_model
-
-    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed))
-
-
 @dataclass
 class Job:
     """What every run of the pipeline starts from (the training job, and the benchmarks that run it)."""
@@ -83,17 +75,14 @@ class Job:
 
 def set_up(cfg: TrainConfig) -> Job:
     """The model (the tiny base model is built first, before Ray: it uses every core), its tokenizer, the task's
-    prompts, and Ray (a local one unless the config names a cluster)."""
+    prompts, and Ray (a local one unless the config names a cluster). A mistake in the inputs is a UserError before
+    anything slow starts."""
     from transformers import AutoTokenizer
 
-    from treepo_ray.data.datasets import load_records
-
-    if abs(cfg.learner.temperature - cfg.rollout.temperature) > 1e-9:
-        raise ValueError(f"learner.temperature = {cfg.learner.temperature} but rollout.temperature = "
-                         f"{cfg.rollout.temperature}; the learner's log-probs must use the sampling temperature")
+    check_inputs(cfg)
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_set, test_set = load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, cfg=cfg.data.prompt)
+    train_set, test_set = load_prompts(cfg, model_path, tokenizer)
     init_ray(cfg)
     return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])
 
@@ -112,6 +101,22 @@ def ray_gauges():
             gauges[name].set(v)
 
     return sink
+
+
+def save_config(cfg: TrainConfig, run_dir: Path, resume_from: Path | None, step: int) -> Path:
+    """Write this attempt's resolved config as `<run_dir>/configs/attempt-<k>.yaml` (k = 1 for the fresh start,
+    then one more per resume: earlier attempts' files are kept) and as `<run_dir>/config.yaml` (the newest, which
+    `treepo-ray train` can load again)."""
+    folder = run_dir / "configs"
+    folder.mkdir(parents=True, exist_ok=True)
+    k = 1 + sum(1 for _ in folder.glob("attempt-*.yaml"))
+    how = f"resumed from {resume_from} at step {step}" if resume_from is not None else "fresh start"
+    text = (f"# attempt {k}: {time.strftime('%Y-%m-%d %H:%M:%S')}, {how}\n"
+            + yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False))
+    path = folder / f"attempt-{k}.yaml"
+    path.write_text(text)
+    (run_dir / "config.yaml").write_text(text)
+    return path
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -141,7 +146,7 @@ def run(cfg: TrainConfig) -> dict:
     start = state.step
     logger = RunLogger(run_dir, cfg.log, config_io.to_dict(cfg), name=run_dir.name, resume_step=start,
                        sinks=[ray_gauges()] if cfg.log.ray_metrics else [])
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False))
+    save_config(cfg, run_dir, resume_from, start)
     if start:  # the engines were built from the base model; bring them to the checkpoint's weights
         pipe.learner.publish(start)
         pipe.sync_weights(start)
@@ -249,17 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         print("usage: treepo-ray train [config.yaml] [key.sub=value ...]   (default config: jobs/configs/cpu.yaml)")
         return 0
-    path: Path = DEFAULT_CONFIG
-    if argv and "=" not in argv[0]:
-        path, argv = Path(argv[0]), argv[1:]
-    if not path.is_file():
-        print(f"treepo-ray train: config file {path} does not exist", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(path, argv)
-    except ValueError as err:
-        print(f"treepo-ray train: {err}", file=sys.stderr)
-        return 2
+    cfg = parse_config(argv, "train")
+    print_config(cfg)
     summary = run(cfg)
     return 0 if summary["completed"] else 1
 

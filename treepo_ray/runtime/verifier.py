@@ -21,12 +21,14 @@ from treepo_ray.runtime.registry import on_this_node, report
 class VerifierActor:
     """Scores (data_source, solution, ground_truth) triples with the rewards layer; never executes model output."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, reward_function=None):
         from treepo_ray.rewards import BatchScorer
 
-        self.scorer = BatchScorer(timeout_s=timeout_s)  # routes each item by its data_source
+        # routes each item by its data_source, or to the custom reward function (RewardFunctionConfig) when set
+        self.scorer = BatchScorer(timeout_s=timeout_s, reward_function=reward_function)
 
-    def score(self, items: list[tuple[str, str, str]]) -> list[float]:
+    def score(self, items: list[tuple]) -> list[float]:
+        """One score per (data_source, solution, ground_truth, extra_info)."""
         return self.scorer.score_batch(items)
 
 
@@ -40,10 +42,12 @@ class VerifierPool:
         self.verifiers, self.front = list(verifiers), front
 
     @classmethod
-    def start(cls, num_verifiers: int, num_cpus: float, timeout_s: float, registry, faults) -> "VerifierPool":
-        """`num_verifiers` verifier actors (restarted in place when lost) and their front."""
-        verifiers = [VerifierActor.options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0).remote(timeout_s)
-                     for _ in range(num_verifiers)]
+    def start(cls, num_verifiers: int, num_cpus: float, timeout_s: float, registry, faults,
+              reward_function=None) -> "VerifierPool":
+        """`num_verifiers` verifier actors (restarted in place when lost) and their front; `reward_function`: the
+        job's custom_reward_function section (None or unset = the built-in scorers)."""
+        verifiers = [VerifierActor.options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0).remote(
+            timeout_s, reward_function) for _ in range(num_verifiers)]
         front = VerifierFront.options(scheduling_strategy=on_this_node()).remote(
             verifiers, registry, faults.verifier_retries, faults.verifier_call_timeout_s,
             MathVerifyConfig().wrong_score)
