@@ -71,8 +71,11 @@ def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float
     return [[float(node_adv[n]) for n in tree.path(end) for _ in tree.tokens[n]] for end in tree.trajectories]
 
 
-def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
-    """Rollout and tree statistics of a batch (reward, accuracy, lengths, depth, branching, early stops, sharing)."""
+def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_limit: int | None = None) -> dict:
+    """Rollout and tree statistics of a batch (reward, accuracy, lengths, depth, branching, early stops, sharing).
+    verl's names where verl has the figure (metric_utils.compute_data_metrics): critic/score/* are the trajectory
+    rewards, response_length/* the response lengths in tokens, response_length/clip_ratio the share of responses
+    that reached `response_limit` (cut at the length limit)."""
     if not trees:
         return {}
     rewards = np.concatenate([trajectory_rewards(t) for t in trees])
@@ -84,6 +87,10 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
         "rollout/reward": float(rewards.mean()) if rewards.size else math.nan,
         "rollout/accuracy": float((rewards >= correct_threshold).mean()) if rewards.size else math.nan,
         "rollout/response_len": float(np.mean(lengths)) if lengths else math.nan,
+        "critic/score/max": float(rewards.max()) if rewards.size else math.nan,
+        "critic/score/min": float(rewards.min()) if rewards.size else math.nan,
+        "response_length/max": float(max(lengths)) if lengths else math.nan,
+        "response_length/min": float(min(lengths)) if lengths else math.nan,
         "rollout/trajectories": float(len(lengths)),
         "rollout/prompts": float(len(trees)),
         "rollout/mixed_groups": float(np.mean([keep_tree(t) for t in trees])),
@@ -94,9 +101,29 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
         "tree/shared_prefix_share": 1.0 - generated / path_tokens if path_tokens else 0.0,
         "tree/unique_tokens": float(sum(t.unique_tokens() for t in trees)),
     }
+    if response_limit and lengths:
+        out["response_length/clip_ratio"] = float(np.mean([n >= response_limit for n in lengths]))
     growth = [t.meta.get("growth", {}) for t in trees]
     for key in ("branches", "fallbacks", "surplus_dropped"):
         out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
     for reason in FINISH_REASONS[1:]:
         out[f"tree/stop_{reason}"] = float(sum(g.get(f"finish/{reason}", 0) for g in growth))
     return out
+
+
+def advantage_metrics(trees: list[Tree], advantages: list[list[Advantage]], weights: list[float] | None = None) -> dict:
+    """critic/advantages/mean, max, min as verl computes them: over every response token of the batch (a
+    trajectory's scalar advantage counts once per token), after CATPO's tree weights when given."""
+    values = []
+    for t, tree in enumerate(trees):
+        w = 1.0 if weights is None else float(weights[t])
+        for node, adv in zip(tree.trajectories, advantages[t]):
+            if isinstance(adv, list):
+                values.extend(a * w for a in adv)
+            else:
+                values.extend([adv * w] * len(tree.response_ids(node)))
+    if not values:
+        return {}
+    a = np.asarray(values, dtype=np.float64)
+    return {"critic/advantages/mean": float(a.mean()), "critic/advantages/max": float(a.max()),
+            "critic/advantages/min": float(a.min())}

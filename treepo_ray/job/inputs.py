@@ -9,6 +9,7 @@ from treepo_ray.data.datasets import SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, 
 from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.hub import model_context_length, resolve_model_path
 from treepo_ray.job.config import TrainConfig
+from treepo_ray.job.logs import check_tensorboard
 from treepo_ray.rewards.custom import check_reward_function
 
 
@@ -28,6 +29,8 @@ def check_inputs(cfg: TrainConfig) -> None:
                     raise UserError(f"{key}: {str(f)!r} does not exist")
     if cfg.model.path:
         resolve_model_path(cfg.model.path)
+    if cfg.log.tensorboard:
+        check_tensorboard()
 
 
 def resolve_model(cfg: TrainConfig) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 
 from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, sampled_tokens
-from treepo_ray.algo.credit import keep_tree, tree_metrics
+from treepo_ray.algo.credit import advantage_metrics, keep_tree, tree_metrics
 from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
 from treepo_ray.engines.decode import safe_decode
@@ -36,6 +36,17 @@ from treepo_ray.runtime.verifier import VerifierPool
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
+
+
+def validation_metrics(sources: list[str], rewards: np.ndarray, correct_threshold: float, k: int) -> dict:
+    """verl's validation figures per data source, for `k` samples per problem: val-core/<source>/acc/mean@k (the
+    mean correctness of all samples, reward >= correct_threshold) and val-aux/<source>/reward/mean@k."""
+    out = {}
+    for source in sorted(set(sources)):
+        r = rewards[[s == source for s in sources]]
+        out[f"val-core/{source}/acc/mean@{k}"] = float((r >= correct_threshold).mean())
+        out[f"val-aux/{source}/reward/mean@{k}"] = float(r.mean())
+    return out
 
 
 @dataclass
@@ -149,10 +160,12 @@ class Pipeline:
         t_grow = time.perf_counter()
         # CATPO phase 4 (phases 2-3 ran in the schedulers): each tree's advantages scaled by w(T) = F / mean F.
         weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
-        samples = samples_from_trees(kept, algo.advantages(kept), weights)
+        advantages = algo.advantages(kept)
+        samples = samples_from_trees(kept, advantages, weights)
         t_credit = time.perf_counter()
 
-        metrics = tree_metrics(grown, algo.correct_threshold)
+        metrics = tree_metrics(grown, algo.correct_threshold, cfg.sampler_config.response_limit())
+        metrics.update(advantage_metrics(kept, advantages, weights))
         metrics["rollout/sampled_tokens"] = float(sampled_tokens(grown))  # healing's generation included
         if algo.name == "catpo":
             metrics.update(catpo_metrics(grown, weights))
@@ -208,9 +221,11 @@ class Pipeline:
                   p.ground_truth, p.extra_info) for p, r in zip(problems, results) for c in r.children]
         rewards = np.array(ray.get(self.verifiers.score(items)), dtype=np.float64)
         lengths = [len(c.token_ids) for r in results for c in r.children]
+        sources = [p.data_source for p, r in zip(problems, results) for _ in r.children]
         return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
                 "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
                 "eval/problems": float(len(problems)), "eval/version": float(version),
+                **validation_metrics(sources, rewards, self.cfg.algo.correct_threshold, samples),
                 "time/eval": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------------ the loop

@@ -87,17 +87,29 @@ def set_up(cfg: TrainConfig) -> Job:
     return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])
 
 
-def ray_gauges():
-    """A RunLogger sink exporting each metric as a ray.util.metrics Gauge (visible on the Ray dashboard)."""
+METRIC_TAGS = ("run", "algorithm")
+"""Tags of every Ray metric, so that runs sharing a cluster (`cluster/submit.sh all`) stay separate series."""
+
+
+def gauge_name(key: str) -> str:
+    """The Ray metric of a metric key: `treepo_` + the key with every character outside [a-zA-Z0-9_] as `_`
+    (Prometheus names; Ray's exporter adds its own `ray_` prefix: critic/score/mean -> ray_treepo_critic_score_mean)."""
+    return "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def ray_gauges(run: str, algorithm: str):
+    """A RunLogger sink exporting each metric as a ray.util.metrics Gauge tagged with the run and the algorithm."""
     from ray.util.metrics import Gauge
 
     gauges: dict = {}
+    tags = {"run": run, "algorithm": algorithm}
 
-    def sink(values: dict) -> None:
+    def sink(step: int, values: dict) -> None:
         for key, v in values.items():
-            name = "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)  # Prometheus names: [a-zA-Z_][a-zA-Z0-9_]*
+            name = gauge_name(key)
             if name not in gauges:
-                gauges[name] = Gauge(name, description=key)
+                gauges[name] = Gauge(name, description=key, tag_keys=METRIC_TAGS)
+                gauges[name].set_default_tags(tags)
             gauges[name].set(v)
 
     return sink
@@ -145,7 +157,7 @@ def run(cfg: TrainConfig) -> dict:
         print(f"resuming {run_dir} from {resume_from.name}: step {state.step}, data position {state.data_position}")
     start = state.step
     logger = RunLogger(run_dir, cfg.log, config_io.to_dict(cfg), name=run_dir.name, resume_step=start,
-                       sinks=[ray_gauges()] if cfg.log.ray_metrics else [])
+                       sinks=[ray_gauges(run_dir.name, cfg.algo.name)] if cfg.log.ray_metrics else [])
     save_config(cfg, run_dir, resume_from, start)
     if start:  # the engines were built from the base model; bring them to the checkpoint's weights
         pipe.learner.publish(start)
