@@ -89,10 +89,10 @@ def test_tree_metrics_shared_prefix_share_and_stops():
     m = tree_metrics([t, chains([1, 0])])
     # Tree: 4 paths of 4 tokens = 16, distinct path nodes 6 x 2 = 12; chains: 6 and 6 -> 1 - 18/22.
     assert m["tree/shared_prefix_share"] == pytest.approx(1 - 18 / 22)
-    assert m["rollout/reward"] == pytest.approx(2 / 6)
+    assert m["critic/score/mean"] == pytest.approx(2 / 6)
     assert m["rollout/accuracy"] == pytest.approx(2 / 6)
     assert m["tree/stop_eos"] == 4 and m["tree/depth_max"] == 2
-    assert m["rollout/response_len"] == pytest.approx(22 / 6)
+    assert m["response_length/mean"] == pytest.approx(22 / 6)
     assert tree_metrics([]) == {}
 
 

@@ -35,9 +35,9 @@ def test_clipped_surrogate_by_hand(ratio, adv, loss, grad, side):
     got, m, g = one_token(ratio, adv, LossConfig())
     assert got == pytest.approx(loss, rel=1e-6)
     assert g == pytest.approx(grad, rel=1e-5, abs=1e-7)
-    assert m["clip_frac_low"] == (side == "low")
-    assert m["clip_frac_high"] == (side == "high")
-    assert m["clip_frac"] == (side is not None)
+    assert m["pg_clipfrac_below"] == (side == "low")
+    assert m["pg_clipfrac_above"] == (side == "high")
+    assert m["pg_clipfrac"] == (side is not None)
     assert m["pg_loss"] == pytest.approx(loss, rel=1e-6) and m["loss"] == pytest.approx(loss, rel=1e-6)
 
 
@@ -57,7 +57,7 @@ def test_symmetric_clip_clips_where_clip_higher_does_not():
 def test_dual_clip_cap(ratio, adv, loss, capped):
     got, m, g = one_token(ratio, adv, LossConfig(dual_clip=3.0))
     assert got == pytest.approx(loss, rel=1e-6)
-    assert m["clip_frac_dual"] == capped
+    assert m["pg_clipfrac_lower"] == capped
     if capped:
         assert g == 0.0
     # without dual-clip the negative-advantage loss grows with the ratio
@@ -107,16 +107,16 @@ def test_kl_and_entropy_terms_enter_the_loss():
     mask = torch.ones(1, 2)
     cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
     loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, cfg, ref_logprobs=ref, entropy=ent)
-    assert m["kl"] == pytest.approx(0.0, abs=1e-7)  # k1: (log 2 - log 2) / 2
+    assert m["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # k1: (log 2 - log 2) / 2
     assert m["entropy"] == pytest.approx(2.0)
-    assert m["loss"] == pytest.approx(m["pg_loss"] + 0.1 * m["kl"] - 0.01 * m["entropy"])
+    assert m["loss"] == pytest.approx(m["pg_loss"] + 0.1 * m["kl_loss"] - 0.01 * m["entropy"])
     loss.backward()
     # d/dlogp of 0.1 * mean(logp - ref) = 0.05 per token; the entropy bonus lowers the loss as entropy grows
     torch.testing.assert_close(logp.grad, torch.tensor([[0.05, 0.05]]))
     torch.testing.assert_close(ent.grad, torch.tensor([[-0.005, -0.005]]))
     # a reference without kl_coef is still reported, but not optimised
     _, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, LossConfig(), ref_logprobs=ref)
-    assert m["kl"] == pytest.approx((0.5 - 1 + LOG2 + 2 - 1 - LOG2) / 2)
+    assert m["kl_loss"] == pytest.approx((0.5 - 1 + LOG2 + 2 - 1 - LOG2) / 2)
     assert m["loss"] == pytest.approx(0.0, abs=1e-7)
 
 
@@ -124,9 +124,9 @@ def test_approx_kl_old_vs_new():
     old = torch.zeros(1, 2)
     new = torch.tensor([[LOG2, 0.0]])  # ratios 2 and 1
     _, m = policy_loss(new, old, torch.tensor([1.0]), torch.tensor([[1.0, 1.0]]), LossConfig(clip_high=2.0))
-    assert m["approx_kl"] == pytest.approx((2 - 1 - LOG2) / 2, rel=1e-6)
+    assert m["ppo_kl"] == pytest.approx((2 - 1 - LOG2) / 2, rel=1e-6)
     _, m = policy_loss(old, old, torch.tensor([1.0]), torch.ones(1, 2), LossConfig())
-    assert m["approx_kl"] == 0.0 and m["clip_frac"] == 0.0
+    assert m["ppo_kl"] == 0.0 and m["pg_clipfrac"] == 0.0
 
 
 def test_gradient_direction_and_step():
@@ -155,10 +155,10 @@ def test_clip_fractions_add_up():
     adv = torch.randn(8, 16)
     mask = (torch.rand(8, 16) > 0.3).float()
     _, m = policy_loss(logp, old, adv, mask, LossConfig())
-    assert 0 < m["clip_frac_low"] and 0 < m["clip_frac_high"]
-    assert m["clip_frac"] == pytest.approx(m["clip_frac_low"] + m["clip_frac_high"])
-    assert set(m) >= {"pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "kl", "entropy",
-                      "loss"}
+    assert 0 < m["pg_clipfrac_below"] and 0 < m["pg_clipfrac_above"]
+    assert m["pg_clipfrac"] == pytest.approx(m["pg_clipfrac_below"] + m["pg_clipfrac_above"])
+    assert set(m) >= {"pg_loss", "pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "ppo_kl", "kl_loss",
+                      "entropy", "loss"}
     assert all(isinstance(v, float) for v in m.values())
 
 

@@ -65,7 +65,7 @@ def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
 
     rows = []
     done = pipe.train(0, 1, PromptStream(run.train_set, 0, position=4), lambda b, mm: rows.append(mm) or True)
-    assert done == 1 and rows[0]["train/samples"] == 24 and rows[0]["catpo/heal_attempts"] == 4
+    assert done == 1 and rows[0]["actor/samples"] == 24 and rows[0]["catpo/heal_attempts"] == 4
 
 
 def test_a_heal_the_engine_refuses_is_recorded_and_the_tree_kept(pipeline, tiny):

@@ -23,7 +23,7 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         assert versions[:2] == [0, 0] and versions == sorted(versions)
         assert [m["perf/staleness"] for _, m in rows][:2] == [0, 1]
         assert all(0 <= m["perf/staleness"] <= 1 for _, m in rows)
-        assert all(m["train/samples"] == 16 and m["train/skipped"] == 0 for _, m in rows)
+        assert all(m["actor/samples"] == 16 and m["actor/skipped"] == 0 for _, m in rows)
         assert all(m["tree/forward_tokens"] > 0 and 0 < m["tree/forward_per_unique"] for _, m in rows)
         assert [b.data_position for b, _ in rows] == [4, 8, 12, 16]
         # The weights that grew the last batch, which the pool owns and every engine runs.

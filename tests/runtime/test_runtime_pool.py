@@ -77,7 +77,7 @@ def kill_a_busy_engine(pipe, how: str) -> bool:
 
 def full_trees(batch, metrics, width=4, prompts=4):
     """Every prompt of the step came back with its full set of finished trajectories."""
-    return (metrics["train/samples"] == width * prompts and len(batch.trees) == prompts
+    return (metrics["actor/samples"] == width * prompts and len(batch.trees) == prompts
             and all(len(t["trajectories"]) == width for t in batch.trees))
 
 
@@ -110,7 +110,7 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
     assert caught == [True, True]
     # Every step trained once, in order, on full trees (learner version = steps trained).
     assert [b.step for b, _ in clean + faulty] == list(range(6))
-    assert [m["train/version"] for _, m in clean + faulty] == [1, 2, 3, 4, 5, 6]
+    assert [m["actor/version"] for _, m in clean + faulty] == [1, 2, 3, 4, 5, 6]
     assert all(full_trees(b, m) for b, m in clean + faulty)
     faults = {}
     for key in ("fault/resent_requests", "fault/engines_lost"):

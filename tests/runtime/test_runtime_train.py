@@ -35,7 +35,7 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     assert summary["trajectories"] == 4 * 16 and summary["trajectories_per_s"] > 0
     assert [s for s, _ in list_checkpoints(run)] == [4]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "critic/score/mean" in r] == [1, 2, 3, 4]
     # The resumed run grew step 3 from the prompts right after the checkpoint's data position (8, 9, ...).
     trees = [json.loads(line) for line in (run / "trees.jsonl").read_text().splitlines()]
     assert [int(t["query_id"].split("#")[1]) for t in trees if t["step"] == 3] == [8]

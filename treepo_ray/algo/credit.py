@@ -84,9 +84,9 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_lim
     generated = sum(sum(len(t.tokens[n]) for n in {n for p in t.trajectory_paths() for n in p}) for t in trees)
     path_tokens = sum(lengths)
     out = {
-        "rollout/reward": float(rewards.mean()) if rewards.size else math.nan,
+        "critic/score/mean": float(rewards.mean()) if rewards.size else math.nan,
         "rollout/accuracy": float((rewards >= correct_threshold).mean()) if rewards.size else math.nan,
-        "rollout/response_len": float(np.mean(lengths)) if lengths else math.nan,
+        "response_length/mean": float(np.mean(lengths)) if lengths else math.nan,
         "critic/score/max": float(rewards.max()) if rewards.size else math.nan,
         "critic/score/min": float(rewards.min()) if rewards.size else math.nan,
         "response_length/max": float(max(lengths)) if lengths else math.nan,

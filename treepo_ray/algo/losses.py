@@ -105,11 +105,12 @@ def policy_loss(
         loss = agg(pg) + kl_coef * agg(kl_penalty(logprobs, ref)) - entropy_coef * agg(entropy)
     with agg the configured aggregation. Differentiable w.r.t. logprobs and entropy.
 
-    Metrics: "pg_loss", "kl" (0 without ref_logprobs) and "entropy" (0 without entropy) are the aggregated
-    terms above, so loss = pg_loss + kl_coef * kl - entropy_coef * entropy. "clip_frac" is the share of
-    response tokens whose clipped term is the active one, split into "clip_frac_low" (A < 0, ratio below
-    1 - clip_low) and "clip_frac_high" (A > 0, ratio above 1 + clip_high); "clip_frac_dual" the share capped
-    by dual-clip; "approx_kl" the k3 estimate of KL(old || new) over response tokens.
+    Metrics: "pg_loss", "kl_loss" (0 without ref_logprobs) and "entropy" (0 without entropy) are the aggregated
+    terms above, so loss = pg_loss + kl_coef * kl - entropy_coef * entropy. "pg_clipfrac" is the share of
+    response tokens whose clipped term is the active one, split into "pg_clipfrac_below" (A < 0, ratio below
+    1 - clip_low) and "pg_clipfrac_above" (A > 0, ratio above 1 + clip_high); "pg_clipfrac_lower" the share
+    capped by dual-clip; "ppo_kl" the k3 estimate of KL(old || new) over response tokens. The names are verl's
+    (the pipeline logs them as actor/<name>), below/above are this project's own split of pg_clipfrac.
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:
@@ -166,6 +167,6 @@ def policy_loss(
             token_mean(dual_capped), token_mean(ratio - 1.0 - log_ratio), kl.detach(), ent.detach(),
             loss.detach(),
         ]).tolist()  # one device sync for all figures
-    names = ("pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "kl",
-             "entropy", "loss")
+    names = ("pg_loss", "pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl",
+             "kl_loss", "entropy", "loss")
     return loss, dict(zip(names, figures))

@@ -138,7 +138,7 @@ def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: flo
         nonlocal tokens
         rows.append(metrics)
         tokens += metrics["rollout/sampled_tokens"]
-        print(f"  {cfg.algo.name} step {len(rows)}: reward {metrics['rollout/reward']:.3f}, "
+        print(f"  {cfg.algo.name} step {len(rows)}: reward {metrics['critic/score/mean']:.3f}, "
               f"sampled tokens {tokens:.0f}" + (f", dead-wrong {metrics['catpo/dead_wrong']:.0f}, healed "
                                                  f"{metrics['catpo/healed']:.0f}" if "catpo/healed" in metrics else ""),
               flush=True)
@@ -149,8 +149,8 @@ def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: flo
     train_s = time.perf_counter() - t0
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
     out = {"steps": done, "sampled_tokens": tokens, "train_s": train_s,
-           "rollout_s_per_step": total("time/rollout") / max(len(rows), 1),
-           "rollout_reward": [round(r["rollout/reward"], 4) for r in rows]}
+           "rollout_s_per_step": total("timing_s/gen") / max(len(rows), 1),
+           "rollout_reward": [round(r["critic/score/mean"], 4) for r in rows]}
     if cfg.algo.name == "catpo":
         attempts, healed = total("catpo/heal_attempts"), total("catpo/healed")
         out["regimes_sampled"] = {r: total(f"catpo/{r}") for r in

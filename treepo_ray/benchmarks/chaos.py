@@ -38,9 +38,9 @@ def run_once(job, cfg: TrainConfig, steps: int) -> dict:
 
     def on_step(batch, metrics) -> bool:
         rows.append({"step": batch.step, "version": batch.version, "trees": [t["tokens"] for t in batch.trees],
-                     "rewards": [t["reward"] for t in batch.trees], "loss": metrics.get("train/loss"),
+                     "rewards": [t["reward"] for t in batch.trees], "loss": metrics.get("actor/loss"),
                      "trajectories": sum(len(t["trajectories"]) for t in batch.trees),
-                     "samples": metrics.get("train/samples"),
+                     "samples": metrics.get("actor/samples"),
                      "faults": {k: v for k, v in metrics.items() if k.startswith("fault/")}})
         return True
 

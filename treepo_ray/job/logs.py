@@ -1,7 +1,11 @@
 """Where a run's numbers go: console, `metrics.jsonl`, W&B (offline without a key), TensorBoard (log.tensorboard),
 a PNG, and any extra sink (the runtime adds Ray metrics gauges).
 
-Metric names are grouped like cleanrl's (`rollout/…`, `tree/…`, `train/…`, `time/…`, `eval/…`). Every step's
+Metric names are verl's where verl has the figure (`critic/score/mean`, `critic/advantages/mean`,
+`response_length/mean|clip_ratio`, `actor/pg_loss|entropy|ppo_kl|pg_clipfrac|grad_norm`, `timing_s/gen|update_actor`,
+`val-core/<data_source>/acc/mean@k`; see verl's trainer/ppo/metric_utils.py), so a verl user's W&B panels carry
+over; the project's own are grouped by what they describe (`tree/…` the trees' shape and sharing, `rollout/…`,
+`perf/…`, `eval/…`, `fault/…`, `catpo/…`). Every step's
 metrics are appended to `<run_dir>/metrics.jsonl` (the notebook and the curve read that file), and a sample of the
 step's trees to `<run_dir>/trees.jsonl` (read by `treepo-ray viz`).
 """
@@ -15,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# The metrics printed on the console line of each step (everything goes to the files, W&B and Ray).
+# The metrics printed on the console line of each step, with their short labels there (everything goes to the
+# files, W&B and Ray under its full name).
 CONSOLE_KEYS = (
-    "rollout/reward", "rollout/response_len", "train/kl", "train/clip_frac", "train/entropy",
-    "tree/depth_max", "perf/staleness", "perf/traj_per_s", "eval/accuracy",
+    ("critic/score/mean", "reward"), ("response_length/mean", "response_len"), ("actor/kl_loss", "kl"),
+    ("actor/pg_clipfrac", "clipfrac"), ("actor/entropy", "entropy"), ("tree/depth_max", "depth_max"),
+    ("perf/staleness", "staleness"), ("perf/traj_per_s", "traj_per_s"), ("eval/accuracy", "accuracy"),
 )
 
 
@@ -110,7 +116,7 @@ class RunLogger:
             sink(step, values)
         every = self.cfg.console_every
         if every and step % every == 0:
-            shown = [f"{k.split('/')[-1]}={values[k]:.3g}" for k in CONSOLE_KEYS if k in values]
+            shown = [f"{label}={values[k]:.3g}" for k, label in CONSOLE_KEYS if k in values]
             return f"step {step}: " + " ".join(shown)
         return ""
 
@@ -152,8 +158,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 CURVE_PANELS = (
-    ("rollout/reward", "train reward"), ("eval/accuracy", "held-out accuracy"),
-    ("rollout/response_len", "response length"), ("perf/traj_per_s", "trajectories / s"),
+    ("critic/score/mean", "train reward"), ("eval/accuracy", "held-out accuracy"),
+    ("response_length/mean", "response length"), ("perf/traj_per_s", "trajectories / s"),
 )
 
 

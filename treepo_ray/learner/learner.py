@@ -27,8 +27,8 @@ from treepo_ray.learner.strategy import make_strategy
 
 # Figures of policy_loss that are aggregated like the loss itself (weighted by the micro-batch's share of the
 # normaliser) and those that are always a mean over response tokens (weighted by the token share).
-LOSS_FIGURES = ("loss", "pg_loss", "kl", "entropy")
-TOKEN_FIGURES = ("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl")
+LOSS_FIGURES = ("loss", "pg_loss", "kl_loss", "entropy")
+TOKEN_FIGURES = ("pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl")
 
 
 class Learner:

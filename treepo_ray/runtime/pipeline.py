@@ -179,8 +179,8 @@ class Pipeline:
             "tree/forward_tokens": float(fwd),
             "tree/forward_per_unique": fwd / unique if unique else math.nan,
             "perf/traj_per_s": trajectories / max(t_grow - t0, 1e-9),
-            "time/rollout": t_grow - t0,
-            "time/credit": t_credit - t_grow,
+            "timing_s/gen": t_grow - t0,
+            "timing_s/adv": t_credit - t_grow,
         })
         return RolloutBatch(step, self.pool.weights_version, ray.put(samples), len(samples), stream.position, metrics,
                             [self.tree_record(t) for t in kept[:num_trees_logged]])
@@ -226,7 +226,7 @@ class Pipeline:
                 "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
                 "eval/problems": float(len(problems)), "eval/version": float(version),
                 **validation_metrics(sources, rewards, self.cfg.algo.correct_threshold, samples),
-                "time/eval": time.perf_counter() - t0}
+                "timing_s/testing": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -256,7 +256,7 @@ class Pipeline:
                     if eval_every and step > start_step and step % eval_every == 0:
                         evaluated = self.evaluate(self.eval_set, **self.eval_args)
                     batch = self.make_batch(step, stream, trees_per_step)
-                    batch.metrics.update(evaluated, **{"time/weight_sync": sync_s})
+                    batch.metrics.update(evaluated, **{"timing_s/update_weights": sync_s})
                     batches.put(batch)
             except BaseException as err:  # surfaces in the consumer, which re-raises it
                 batches.put(err)
@@ -282,9 +282,9 @@ class Pipeline:
                 metrics = {}
                 if batch.num_samples:
                     learner = ray.get(self.learner.train_step(batch.samples))
-                    metrics = {f"train/{k}": v for k, v in learner.items()}
+                    metrics = {f"actor/{k}": v for k, v in learner.items()}
                 else:
-                    metrics = {"train/skipped": 1.0}
+                    metrics = {"actor/skipped": 1.0}
                 t_pub = time.perf_counter()
                 self.learner.publish(step + 1)
                 slots.release()
@@ -293,8 +293,8 @@ class Pipeline:
                 # Fault events are drained here, not when the batch was grown: a batch dropped unseen (its learner
                 # was lost) would take its events with it.
                 metrics.update(self.fault_metrics())
-                metrics.update({"perf/staleness": float(staleness), "time/train": t_pub - t_train,
-                                "time/publish": now - t_pub, "time/wait": waited, "time/step": now - last})
+                metrics.update({"perf/staleness": float(staleness), "timing_s/update_actor": t_pub - t_train,
+                                "timing_s/publish": now - t_pub, "timing_s/wait": waited, "timing_s/step": now - last})
                 last = now
                 step += 1
                 if not on_step(batch, metrics):

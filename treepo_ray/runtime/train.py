@@ -204,7 +204,7 @@ def run(cfg: TrainConfig) -> dict:
         if cfg.log.trees_per_step:
             logger.save_trees(step, batch.trees)
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics.get('rollout/reward', float('nan')):.3f}",
+        bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
                         stale=int(metrics["perf/staleness"]))
         if line:
             bar.write(line)
