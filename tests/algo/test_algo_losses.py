@@ -120,11 +120,11 @@ def test_kl_and_entropy_terms_enter_the_loss():
     assert m["loss"] == pytest.approx(0.0, abs=1e-7)
 
 
-def test_approx_kl_old_vs_new():
+def test_ppo_kl_old_vs_new_as_verl():
     old = torch.zeros(1, 2)
     new = torch.tensor([[LOG2, 0.0]])  # ratios 2 and 1
     _, m = policy_loss(new, old, torch.tensor([1.0]), torch.tensor([[1.0, 1.0]]), LossConfig(clip_high=2.0))
-    assert m["ppo_kl"] == pytest.approx((2 - 1 - LOG2) / 2, rel=1e-6)
+    assert m["ppo_kl"] == pytest.approx((0 - LOG2 + 0) / 2, rel=1e-6)  # verl: mean of old - new log-probs
     _, m = policy_loss(old, old, torch.tensor([1.0]), torch.ones(1, 2), LossConfig())
     assert m["ppo_kl"] == 0.0 and m["pg_clipfrac"] == 0.0
 

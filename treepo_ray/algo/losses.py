@@ -109,7 +109,8 @@ def policy_loss(
     terms above, so loss = pg_loss + kl_coef * kl - entropy_coef * entropy. "pg_clipfrac" is the share of
     response tokens whose clipped term is the active one, split into "pg_clipfrac_below" (A < 0, ratio below
     1 - clip_low) and "pg_clipfrac_above" (A > 0, ratio above 1 + clip_high); "pg_clipfrac_lower" the share
-    capped by dual-clip; "ppo_kl" the k3 estimate of KL(old || new) over response tokens. The names are verl's
+    capped by dual-clip; "ppo_kl" the mean of old - new log-probs over response tokens (verl's k1 estimate of
+    KL(old || new), so the figure reads as verl's; it can be negative). The names are verl's
     (the pipeline logs them as actor/<name>), below/above are this project's own split of pg_clipfrac.
     """
     shape = logprobs.shape
@@ -164,7 +165,7 @@ def policy_loss(
         clip_high = (adv > 0) & (ratio > 1.0 + cfg.clip_high)
         figures = torch.stack([
             pg_loss.detach(), token_mean(clip_low | clip_high), token_mean(clip_low), token_mean(clip_high),
-            token_mean(dual_capped), token_mean(ratio - 1.0 - log_ratio), kl.detach(), ent.detach(),
+            token_mean(dual_capped), token_mean(-log_ratio), kl.detach(), ent.detach(),
             loss.detach(),
         ]).tolist()  # one device sync for all figures
     names = ("pg_loss", "pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl",
