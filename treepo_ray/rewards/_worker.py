@@ -91,10 +91,20 @@ def _number(v, what: str) -> float:
     return x
 
 
+def _uses_builtin_scorers(fn) -> bool:
+    """Whether the function's module holds anything from treepo_ray.rewards (default_compute_score, say)."""
+    for value in getattr(fn, "__globals__", {}).values():
+        name = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.startswith("treepo_ray.rewards"):
+            return True
+    return False
+
+
 def function_handler(args: list[str]):
     path, name, kwargs = args[0], args[1], json.loads(args[2])
     fn = load_function(path, name)
-
+    if _uses_builtin_scorers(fn):  # it may call default_compute_score: import math-verify now, not within the
+        symbolic_equal("1", "1")   # first item's deadline
     def handle(item: dict) -> dict:
         try:
             return normalized(fn(data_source=item["data_source"], solution_str=item["solution_str"],

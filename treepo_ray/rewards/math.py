@@ -9,11 +9,12 @@ of exponents sympy tries to expand) is scored wrong within the timeout and the n
 from __future__ import annotations
 
 import atexit
+import os
 from collections import deque
 from dataclasses import dataclass
 
 from treepo_ray.rewards.boxed import last_boxed, normalize_answer
-from treepo_ray.rewards.workers import WorkerPool
+from treepo_ray.rewards.workers import IN_SCORING_WORKER, WorkerPool
 
 
 @dataclass
@@ -52,6 +53,20 @@ def _gold_of(ground_truth, cfg: MathVerifyConfig) -> str:
     gold = str(ground_truth)
     boxed = last_boxed(gold, max_chars=cfg.max_solution_chars) if "box" in gold else None
     return boxed if boxed is not None else gold.strip()
+
+
+def _decided_without_worker(text: str, ground_truth, cfg: MathVerifyConfig) -> tuple[dict | None, str, str]:
+    """(result, pred, gold): the result when no symbolic comparison is needed (no box, over the length caps, equal
+    normal forms), else None with the two answers math-verify must compare."""
+    gold = _gold_of(ground_truth, cfg)
+    pred = _answer_of(text, cfg)
+    if pred is None:
+        return _result(cfg, False, ""), "", gold
+    if len(pred) > cfg.max_answer_chars or len(gold) > cfg.max_answer_chars:
+        return _result(cfg, False, pred[: cfg.max_answer_chars]), pred, gold
+    if normalize_answer(pred) == normalize_answer(gold):
+        return _result(cfg, True, pred), pred, gold
+    return None, pred, gold
 
 
 class MathVerifier:
@@ -95,15 +110,8 @@ class MathVerifier:
         for i, (text, gt) in enumerate(zip(solutions, ground_truths)):
             if not isinstance(text, str):
                 raise ValueError(f"solution {i} must be a string, got {type(text).__name__}")
-            gold = _gold_of(gt, cfg)
-            pred = _answer_of(text, cfg)
-            if pred is None:
-                results[i] = _result(cfg, False, "")
-            elif len(pred) > cfg.max_answer_chars or len(gold) > cfg.max_answer_chars:
-                results[i] = _result(cfg, False, pred[: cfg.max_answer_chars])
-            elif normalize_answer(pred) == normalize_answer(gold):
-                results[i] = _result(cfg, True, pred)
-            else:
+            results[i], pred, gold = _decided_without_worker(text, gt, cfg)
+            if results[i] is None:
                 pending.append((i, pred, gold))
         try:
             answers = self._pool.run(deque((i, {"pred": pred, "gold": gold}) for i, pred, gold in pending),
@@ -137,8 +145,19 @@ def _shared_verifier(cfg: MathVerifyConfig) -> MathVerifier:
 def compute_score(solution_str: str, ground_truth, cfg: MathVerifyConfig | None = None) -> dict:
     """{"score", "acc", "pred"} of one solution: its last boxed answer against `ground_truth`.
 
-    Runs on a shared one-worker verifier, so one call costs one comparison, not a process start.
+    Runs on a shared one-worker verifier, so one call costs one comparison, not a process start; inside a scoring
+    worker (a custom reward function calling default_compute_score), which is already bounded, in this process.
     """
     cfg = cfg or MathVerifyConfig()
+    if os.environ.get(IN_SCORING_WORKER) == "1":
+        from treepo_ray.rewards._worker import symbolic_equal
+
+        result, pred, gold = _decided_without_worker(solution_str, ground_truth, cfg)
+        if result is not None:
+            return result
+        try:
+            return _result(cfg, symbolic_equal(pred, gold), pred)
+        except (Exception, RecursionError):
+            return _result(cfg, False, pred)
     result = _shared_verifier(cfg).score(solution_str, ground_truth)
     return _result(cfg, result["acc"] == 1.0, result["pred"])

@@ -16,6 +16,10 @@ import sys
 import time
 from collections import deque
 
+IN_SCORING_WORKER = "TREEPO_RAY_SCORING_WORKER"
+"""Set to "1" in every worker process: code there (a custom reward function calling default_compute_score) is
+already bounded, so it scores math in its own process instead of starting another worker."""
+
 
 class _Worker:
     """One `_worker` subprocess, its pipes, and the item it is working on."""
@@ -28,7 +32,7 @@ class _Worker:
             stderr=None if argv[1] == "function" else subprocess.DEVNULL,  # a user's function may print
             text=True,
             bufsize=1,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
+            env=os.environ | {"OMP_NUM_THREADS": "1", IN_SCORING_WORKER: "1"},
         )
         self.ready = False
         self.item: int | None = None
