@@ -91,6 +91,6 @@ def test_ray_metrics_carry_run_and_algorithm_tags(ray_local):
         sink(1, {"critic/score/mean": 0.75})
         time.sleep(1.0)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        lines = [line for line in text.splitlines() if line.startswith("ray_treepo_critic_score_mean{")]
-    assert lines and 'run="treepo-20260101-000000"' in lines[0] and 'algorithm="treepo"' in lines[0], lines
-    assert lines[0].endswith(" 0.75")
+        lines = [line for line in text.splitlines()  # this run's series (the module's other run has its own)
+                 if line.startswith("ray_treepo_critic_score_mean{") and 'run="treepo-20260101-000000"' in line]
+    assert lines and 'algorithm="treepo"' in lines[0] and lines[0].endswith(" 0.75"), lines
