@@ -1,4 +1,5 @@
-"""default_compute_score picks the scorer by data_source as verl's does: gsm8k `####`, boxed math, the synthetic task."""
+"""default_compute_score picks the scorer by data_source as verl's does: gsm8k `####`, boxed math, the synthetic
+task."""
 
 import pytest
 

@@ -12,6 +12,7 @@ import ray
 
 from treepo_ray.cli import main
 from treepo_ray.data.evaluate import score_answers
+from treepo_ray.data.prompts import Prompt
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
 from treepo_ray.rewards import BatchScorer, default_compute_score
 from treepo_ray.runtime.registry import RuntimeRegistry
@@ -98,8 +99,8 @@ def test_correct_answers_score_1_by_every_route(verl_job, ray_local):
     # 2. the custom function in bounded worker processes (the eval command's scorer)
     with BatchScorer(timeout_s=cfg.runtime.verifier_timeout_s, reward_function=cfg.custom_reward_function) as s:
         assert s.score_batch(right + wrong) == [1.0, 1.0, 1.0, 0.0, 0.0]
-        from treepo_ray.data.prompts import Prompt
-        records = [Prompt(f"p{i}", (1,), gt, source, extra_info=extra) for i, (source, _, gt, extra) in enumerate(right)]
+        records = [Prompt(f"p{i}", (1,), gt, source, extra_info=extra)
+                   for i, (source, _, gt, extra) in enumerate(right)]
         scored = score_answers(records, [[text] for _, text, _, _ in right], s)
         assert [p["correct"] for p in scored] == [[1.0], [1.0], [1.0]]
     # 3. the training job's verifier actors on Ray (what the schedulers and the held-out evaluation call)

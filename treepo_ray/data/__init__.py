@@ -10,5 +10,5 @@ from treepo_ray.data.datasets import (DataConfig, DatasetConfig, LoadedDataset, 
                                       synthetic_files)
 from treepo_ray.data.synthetic import SyntheticTaskConfig, make_problems, write_splits
 
-__all__ = ["DataConfig", "DatasetConfig", "LoadedDataset", "SyntheticTaskConfig", "load_dataset", "load_records", "make_problems",
-           "synthetic_files", "write_splits"]
+__all__ = ["DataConfig", "DatasetConfig", "LoadedDataset", "SyntheticTaskConfig", "load_dataset", "load_records",
+           "make_problems", "synthetic_files", "write_splits"]

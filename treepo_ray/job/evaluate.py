@@ -31,7 +31,8 @@ def settings_of(cfg: EvalJobConfig) -> SampleSettings:
     """How answers are sampled, from the training keys and the eval section."""
     tr, sampler_cfg = cfg.trainer, cfg.sampler_config
     return SampleSettings(sampler=cfg.eval.sampler, n=tr.eval_samples, temperature=tr.eval_temperature,
-                          top_p=cfg.rollout.top_p, max_new_tokens=tr.eval_max_new_tokens or sampler_cfg.response_limit(),
+                          top_p=cfg.rollout.top_p,
+                          max_new_tokens=tr.eval_max_new_tokens or sampler_cfg.response_limit(),
                           segment_len=sampler_cfg.segment_len, divergence=cfg.eval.divergence, seed=tr.seed)
 
 
