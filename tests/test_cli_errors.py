@@ -31,6 +31,7 @@ def run(capsys, *argv):
     (["rollout.temperature=hot"], "config.rollout.temperature: expected a number, got 'hot'"),
     (["no/such/config.yaml"], "config file 'no/such/config.yaml' does not exist"),
     (["jobs/configs/cpu.yaml", "stray"], "'stray' is not a key=value override"),
+    (["--model", "x"], "'--model': `treepo-ray COMMAND` takes a config file and key=value overrides, not --flags"),
     (["model.path=/no/such/model"], "model.path = '/no/such/model': no such directory"),
     (["data.train_files=/no/such.parquet"], "data.train_files: '/no/such.parquet' does not exist"),
     (["data.name=/no/such/folder"], "data.name = '/no/such/folder': not 'synthetic'"),
@@ -39,7 +40,7 @@ def run(capsys, *argv):
 def test_user_errors_are_one_line_and_status_2(capsys, command, args, message):
     code, err = run(capsys, command, *args)
     assert code == 2 and "\n" not in err and "Traceback" not in err
-    assert err.startswith(f"treepo-ray {command}: ") and message in err, err
+    assert err.startswith(f"treepo-ray {command}: ") and message.replace("COMMAND", command) in err, err
 
 
 def test_a_bad_row_is_one_line_and_status_2(capsys, tmp_path, model_dir):

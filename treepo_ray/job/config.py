@@ -399,6 +399,10 @@ def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainCo
     """A command line `[config.yaml] [key.sub=value ...]` (default file: jobs/configs/cpu.yaml) as a config of
     `cls`; UserError on a missing file, a bad key or an argument that is not key=value."""
     path: Path = DEFAULT_CONFIG
+    for arg in argv:
+        if arg.startswith("--"):
+            raise UserError(f"{arg!r}: `treepo-ray {command}` takes a config file and key=value overrides, not "
+                            f"--flags (e.g. model.path=DIR trainer.eval_samples=8; `treepo-ray {command} --help`)")
     if argv and "=" not in argv[0]:
         path, argv = Path(argv[0]), argv[1:]
     for arg in argv:
