@@ -25,10 +25,10 @@ def run(capsys, *argv):
 
 @pytest.mark.parametrize("command", ["train", "eval"])
 @pytest.mark.parametrize("args, message", [
-    (["trainer.steps=abc"], "config.trainer.steps: expected an integer, got 'abc'"),
+    (["trainer.steps=abc"], ": trainer.steps: expected an integer, got 'abc'"),
     (["trainer.stepz=3"], "unknown key 'stepz'"),
     (["trainer.steps=0"], "trainer.steps = 0; it must be >= 1"),
-    (["rollout.temperature=hot"], "config.rollout.temperature: expected a number, got 'hot'"),
+    (["rollout.temperature=hot"], ": rollout.temperature: expected a number, got 'hot'"),
     (["no/such/config.yaml"], "config file 'no/such/config.yaml' does not exist"),
     (["jobs/configs/cpu.yaml", "stray"], "'stray' is not a key=value override"),
     (["--model", "x"], "'--model': `treepo-ray COMMAND` takes a config file and key=value overrides, not --flags"),

@@ -90,15 +90,15 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
+def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     """Build dataclass `cls` from a nested dict; an unknown key, a value of the wrong type or one its section's
     checks refuse raises UserError naming it."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
     if unknown:
-        raise UserError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+        raise UserError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except UserError:
