@@ -30,6 +30,26 @@ from treepo_ray.tree import Segment
 # vLLM is imported lazily (in VLLMEngine.__init__): the CPU build must see VLLM_ENABLE_V1_MULTIPROCESSING before
 # it builds its config, and importing this module must not need vLLM (the main environment has none).
 
+MAX_MASKED_IDS = 1024
+"""Most token ids one request may bias: vLLM's V2 model runner (the default on CUDA) keeps at most 1,024 logit-bias
+ids and 1,024 allowed ids per request (MAX_NUM_LOGIT_BIAS_TOKENS, MAX_NUM_ALLOWED_TOKEN_IDS in
+vllm/v1/worker/gpu/sample/logit_bias.py) and fails the request inside execute_model beyond that."""
+
+
+def padding_mask(tokenizer_vocab: int, model_vocab: int) -> dict[int, float] | None:
+    """The logit bias that keeps sampling off the padded embedding rows [tokenizer_vocab, model_vocab): -inf on each
+    padded id (Qwen2.5: 399 ids, Qwen3: 267), None when nothing is padded. Masking the few padded ids, not allowing
+    the whole vocabulary (151k ids), keeps every request within vLLM's limit. vLLM adds the bias after it has taken
+    the raw log-probs, so the reported log-probs stay the model's own over the full vocabulary."""
+    padded = model_vocab - tokenizer_vocab
+    if padded <= 0:
+        return None
+    if padded > MAX_MASKED_IDS:
+        raise ValueError(f"the model's embedding has {padded} rows past the tokenizer's {tokenizer_vocab} ids; vLLM "
+                         f"masks at most {MAX_MASKED_IDS} per request (resize the embedding to the tokenizer)")
+    return dict.fromkeys(range(tokenizer_vocab, model_vocab), float("-inf"))
+
+
 _FINISH_REASONS = {"stop": "eos", "length": "length"}
 """vLLM's finish reasons -> the protocol's. 'stop' can only be the EOS token: no stop strings or extra stop ids."""
 
@@ -186,11 +206,8 @@ class VLLMEngine:
             engine_args={"model": str(model_path), **engine_kwargs},
         )
         self.eos_token_id: int = tokenizer.eos_token_id
-        # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode;
-        # sampling is restricted to the tokenizer's ids (a logit mask, applied after the raw log-probs are taken).
-        self._allowed_ids = (
-            list(range(self.info.tokenizer_vocab)) if self.info.model_vocab > self.info.tokenizer_vocab else None
-        )
+        # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode.
+        self._padding_bias = padding_mask(self.info.tokenizer_vocab, self.info.model_vocab)
         self._pending: dict[str, SegmentRequest] = {}
         self._version = 0
         self._engine.set_weight_version("0")
@@ -222,7 +239,7 @@ class VLLMEngine:
                 ignore_eos=not req.stop_at_eos,
                 logprobs=0,  # just the sampled token's log-prob
                 detokenize=False,  # the protocol carries token ids only
-                allowed_token_ids=self._allowed_ids,
+                logit_bias=self._padding_bias,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             self._engine.add_request(req.request_id, {"prompt_token_ids": list(req.prefix_ids)}, params)
@@ -277,7 +294,7 @@ class VLLMEngine:
         token_ids = list(out.token_ids)
         vocab = self.info.tokenizer_vocab
         bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:  # cannot happen while allowed_token_ids masks the padding; never hand on undecodable ids
+        if bad:  # cannot happen while the logit bias masks the padding; never hand on undecodable ids
             raise RuntimeError(f"vLLM sampled token ids outside the tokenizer's vocabulary: {bad[:5]}")
         if out.logprobs is None or len(out.logprobs) != len(token_ids):
             raise RuntimeError("vLLM returned no per-token log-probs (logprobs=0 was requested)")
