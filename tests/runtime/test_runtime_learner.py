@@ -26,12 +26,12 @@ def test_learner_group_two_ranks_train_export_and_publish(ray_local, tiny):
         assert set(exported) >= {k for k in before if k != "lm_head.weight"}
         assert any(not torch.equal(exported[k], before[k]) for k in exported)
         # What the pool loads: the weights after the step, under the version they were published as (one packed
-        # object-store copy, float32 by default; tied lm_head sent once, as the embedding).
+        # object-store copy, float32 by default).
         group.publish(1)
         version, weights = group.published
         packed = ray.get(weights.packed)
         published = unpack(packed.specs, packed.buffer)
-        assert version == 1 and set(published) == set(exported) - {"lm_head.weight"}
+        assert version == 1 and set(published) == set(exported)
         assert all(torch.equal(published[k], exported[k]) for k in published)
     finally:
         for r in group.ranks:

@@ -15,15 +15,10 @@ def export_packed(model: torch.nn.Module, dtype: torch.dtype | str, rank: int, p
     (zero-copy through Ray's object store), or with `pin` a pinned torch tensor (fast copies to a GPU for NCCL).
 
     Tensors are gathered one at a time, every rank in the same order, so rank 0 holds at most one full float32 tensor
-    besides the packed copy (never a full float32 state dict). Tied parameters (lm_head = embedding) are sent once
-    under their first name; the engines tie them themselves."""
+    besides the packed copy (never a full float32 state dict). Tied parameters are sent under each name: vLLM's
+    in-place reload counts a layer without its weights (a tied lm_head) as failed and keeps its old values."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    seen: set[int] = set()
-    named = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            named.append((name, tensor))
+    named = list(model.state_dict(keep_vars=True).items())
     specs, nbytes = layout((name, dtype, tensor.shape) for name, tensor in named)
     data = buffer = None
     if rank == 0:
