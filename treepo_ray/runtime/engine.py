@@ -2,6 +2,10 @@
 
 Schedulers reach it through the generator pool (pool.py), which routes a tree's requests to one engine (its prefix
 cache lives there) and replaces engines that are lost.
+
+A vLLM engine with tensor_parallel_size > 1 runs in a placement group of one bundle per GPU on one node
+(`engine_placement`): the actor takes bundle 0's CPUs and no GPU, and captures its child tasks, so vLLM's Ray
+executor (which uses the placement group its caller runs in) starts one GPU worker per bundle.
 """
 
 from __future__ import annotations
@@ -10,8 +14,24 @@ import asyncio
 import os
 
 import ray
+from ray.util.placement_group import placement_group
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
+
+
+def tensor_parallel_size(engine: str, engine_kwargs: dict) -> int:
+    """GPUs one engine spans (vLLM's tensor_parallel_size; 1 for every other engine)."""
+    return int(engine_kwargs.get("tensor_parallel_size", 1) or 1) if engine == "vllm" else 1
+
+
+def engine_placement(tp: int, num_cpus: float, resources: dict):
+    """The placement group of a tensor-parallel engine: `tp` bundles of one GPU each, all on one node, the engine's
+    custom resources split evenly over them, bundle 0 also holding the engine actor's CPUs (vLLM's Ray executor
+    accepts at most one GPU per bundle and puts worker i in bundle i)."""
+    bundles = [{"GPU": 1.0, **{k: float(v) / tp for k, v in resources.items()}} for _ in range(tp)]
+    if num_cpus:
+        bundles[0]["CPU"] = float(num_cpus)
+    return placement_group(bundles, strategy="STRICT_PACK")
 
 
 def limit_threads(n: int) -> None:

@@ -10,6 +10,8 @@ import socket
 import threading
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treepo_ray.runtime.engine import limit_threads
 from treepo_ray.runtime.weights import WeightSync
@@ -110,19 +112,46 @@ class LearnerActor:
 
 
 class LearnerGroup:
-    """`world_size` learner ranks acting as one learner; every call goes to all ranks, rank 0's answer returned."""
+    """`world_size` learner ranks acting as one learner; every call goes to all ranks, rank 0's answer returned.
+
+    The ranks are placed as one placement group, one bundle per rank (its CPUs, its GPU, its custom resources),
+    packed on as few nodes as possible: ranks that can share a node's NVLink do, and the group is placed whole or
+    not at all (a pending group is one demand an autoscaler answers). `close()` gives the resources back."""
 
     def __init__(self, model_path: str, cfg, world_size: int = 1, num_cpus: float = 1, num_gpus: float = 0,
                  resources: dict | None = None, torch_threads: int = 1, weights: WeightSync | None = None):
+        bundle = {k: float(v) for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
+        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK") if bundle \
+            else None
+        """Bundle i holds rank i (None when the ranks ask for no resources at all)."""
         opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
-        self.ranks = [LearnerActor.options(**opts).remote(r, world_size, torch_threads) for r in range(world_size)]
-        addr, port = ray.get(self.ranks[0].rendezvous.remote())
-        ray.get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks])
+        self.ranks = [LearnerActor.options(**opts, scheduling_strategy=self._bundle(r)).remote(r, world_size,
+                                                                                              torch_threads)
+                      for r in range(world_size)]
+        try:
+            addr, port = ray.get(self.ranks[0].rendezvous.remote())
+            ray.get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks])
+        except BaseException:
+            self.close()
+            raise
         self.weights = weights or WeightSync()
         """How published weights reach the engines (path, the engines' dtype); default: object store, float32."""
         self.published: tuple[int, object] = (0, None)
         """The newest weights exported for the generators: (version, payload of weights.py); (0, None) before the
         first."""
+
+    def _bundle(self, rank: int):
+        if self.placement is None:
+            return None
+        return PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+
+    def close(self) -> None:
+        """Kill every rank and release the placement group (a rebuilt group needs its room)."""
+        for rank in self.ranks:
+            ray.kill(rank)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None
 
     def publish(self, version: int) -> None:
         """Export the current weights as `version` in the engines' dtype (the pool loads them when a batch needs

@@ -99,14 +99,17 @@ class Pipeline:
     def build_learner(self) -> LearnerGroup:
         """A new learner group with the base weights (also what replaces a lost one, see recovery.py)."""
         rt = self.cfg.runtime
+        old = getattr(self, "learner", None)
+        if old is not None:  # a lost group: its ranks go, and its placement group's room goes to the new one
+            old.close()
         return LearnerGroup(self.model_path, self.cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
                             rt.learner_resources, rt.torch_threads, weights=self.weight_sync)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
         self.pool.close()  # the engines, pending ones too, and the registry
-        actors = self.verifiers.actors() + self.schedulers + self.healers + self.learner.ranks
-        for actor in actors:
+        self.learner.close()  # the ranks and their placement group
+        for actor in self.verifiers.actors() + self.schedulers + self.healers:
             ray.kill(actor)
 
     # ------------------------------------------------------------------------------------------ weights

@@ -26,13 +26,14 @@ import torch.distributed as dist
 from ray.exceptions import RayActorError
 
 from treepo_ray.engines.weights import Broadcast, PackedWeights, unpack
+from treepo_ray.runtime.engine import tensor_parallel_size
 from treepo_ray.runtime.registry import actor_lost, report
 
 
 def choose_path(cfg) -> str:
     """'broadcast' or 'object_store' for a run's config (runtime.weights.path; 'auto' decides by the resources)."""
     rt, path = cfg.runtime, cfg.runtime.weights.path
-    tp = int(cfg.model.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    tp = tensor_parallel_size(cfg.model.engine, cfg.model.engine_kwargs)
     if path == "broadcast" and tp > 1:
         raise ValueError("runtime.weights.path = broadcast, but the engines run tensor_parallel_size = "
                          f"{tp} (their weights live in vLLM's worker processes): use object_store")
