@@ -105,6 +105,8 @@ def test_every_request_fits_the_v2_runner_and_masks_only_the_padding(engine):
     from vllm import SamplingParams as VllmSamplingParams
 
     assert (engine.info.tokenizer_vocab, engine.info.model_vocab) == (TOKENIZER_VOCAB, MODEL_VOCAB)
+    # Nothing puts an engine to sleep, so nothing turns on sleep mode (it forces vLLM's cumem allocator on GPUs).
+    assert engine._engine.vllm_config.model_config.enable_sleep_mode is False
     v2 = _v2_logit_bias_state()
     # The old mask, the whole tokenizer vocabulary as allowed ids, is what the V2 runner refuses.
     with pytest.raises(ValueError, match="Too many allowed token IDs: 1090"):
