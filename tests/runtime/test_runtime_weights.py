@@ -51,6 +51,12 @@ def test_broadcast_reaches_every_engine_and_follows_joins_and_losses(ray_local, 
         assert _same(_engine_weights(a), v1) and _same(_engine_weights(b), v1)
         assert {s["weights_version"] for s in pool.stats()} == {1}
 
+        # Rank 0 sends from a concurrency group of its own: a transfer runs while the learner trains.
+        long_step = group.train_step(ray.put(SAMPLES * 64))
+        pool.load_weights(group.published[1], 1)
+        assert not ray.wait([long_step], timeout=0)[0]  # the transfer is done, the step still running
+        ray.get(long_step)
+
         # One engine leaves; its replacement joins after that transfer and gets v1 in a transfer of its own.
         ray.kill(a)
         while pool.size < 2 or actor_id(a) in {actor_id(e) for e in pool.engines()}:
