@@ -55,13 +55,20 @@ def exit_status(legs: dict[str, dict]) -> int:
 
 
 def gpus_here() -> tuple[int, list[str]]:
+    """GPUs torch can use, and their names (from nvidia-smi: this process makes no CUDA context, which would hold
+    GPU memory through every leg)."""
     try:
         import torch
 
         n = torch.cuda.device_count()
-        return n, [torch.cuda.get_device_name(i) for i in range(n)]
     except Exception:  # noqa: BLE001 - no usable CUDA is no GPU
         return 0, []
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        names = []
+    return n, names[:n]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ one bundle per GPU on one node, as vLLM's Ray executor uses it, released when th
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -59,6 +60,15 @@ def test_learner_ranks_pack_on_one_node_with_a_gpu_each(two_nodes, tiny):
     while _available("learner_gpu") < 3.0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _available("learner_gpu") == 3.0  # close() gave the whole group's room back
+    # A group dropped without close() (a run that ends without shutdown) gives it back too.
+    group = LearnerGroup(tiny, LearnerConfig(), world_size=2, num_cpus=1, num_gpus=1, resources={"learner_gpu": 1})
+    assert _available("learner_gpu") == 1.0
+    del group
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while _available("learner_gpu") < 3.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _available("learner_gpu") == 3.0
 
 
 def test_tensor_parallel_engine_runs_in_one_nodes_gpu_bundles_until_released(two_nodes, tiny):

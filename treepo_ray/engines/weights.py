@@ -123,18 +123,20 @@ class Broadcast:
             raise ValueError(f"backend = {backend!r}; 'nccl' (GPU) or 'gloo' (CPU)")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self._left: list[tuple[int, int, list[TensorSpec]]] = []
-        self.device = device or torch.device("cuda" if backend == "nccl" else "cpu")
         timeout = timedelta(seconds=timeout_s)
         store = dist.PrefixStore("treepo-weights/", store)
         if backend == "nccl":
             from torch.distributed.distributed_c10d import ProcessGroupNCCL  # only in CUDA builds of torch
 
+            self.device = device or torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)  # this thread's current device (a new thread starts on device 0)
             options = ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.group = ProcessGroupNCCL(store, rank, world_size, options)
         else:
+            self.device = torch.device("cpu")
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self.group._set_sequence_number_for_group()  # as torch.distributed does for each group it makes
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

@@ -224,9 +224,9 @@ class WeightSyncConfig:
     tensor_parallel_size > 1), else object_store."""
     bucket_mb: int = 512
     """A broadcast sends the weights in pieces of whole tensors of at most this many MiB (receive buffers)."""
-    timeout_s: float = 600.0
+    timeout_s: float = 300.0
     """A broadcast (rendezvous included) that takes longer fails; the pool then sends again without any engine that
-    died meanwhile."""
+    died meanwhile (with NCCL a dead peer is only noticed at this timeout)."""
 
     def __post_init__(self) -> None:
         if self.path not in WEIGHT_PATHS:

@@ -10,9 +10,11 @@ from torch.distributed.tensor import DTensor
 from treepo_ray.engines.weights import PackedWeights, layout, view
 
 
-def export_packed(model: torch.nn.Module, dtype: torch.dtype | str, rank: int, pin: bool = False) -> PackedWeights | None:
+def export_packed(model: torch.nn.Module, dtype: torch.dtype | str, rank: int, pin: bool = False,
+                  out: torch.Tensor | None = None) -> PackedWeights | None:
     """`model`'s weights (sharded or whole) in `dtype`, packed on rank 0 (None elsewhere). The buffer is a numpy array
-    (zero-copy through Ray's object store), or with `pin` a pinned torch tensor (fast copies to a GPU for NCCL).
+    (zero-copy through Ray's object store), or with `pin` a pinned torch tensor (fast copies to a GPU for NCCL), or
+    `out` when it has the right size (a spare pinned buffer: pinning gigabytes anew every step takes seconds).
 
     Tensors are gathered one at a time, every rank in the same order, so rank 0 holds at most one full float32 tensor
     besides the packed copy (never a full float32 state dict). Tied parameters are sent under each name: vLLM's
@@ -22,7 +24,9 @@ def export_packed(model: torch.nn.Module, dtype: torch.dtype | str, rank: int, p
     specs, nbytes = layout((name, dtype, tensor.shape) for name, tensor in named)
     data = buffer = None
     if rank == 0:
-        if pin:
+        if out is not None and out.numel() == nbytes:
+            data = buffer = out
+        elif pin:
             data = buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
             buffer = np.empty(nbytes, dtype=np.uint8)

@@ -14,7 +14,7 @@ import asyncio
 import os
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
 
@@ -32,6 +32,15 @@ def engine_placement(tp: int, num_cpus: float, resources: dict):
     if num_cpus:
         bundles[0]["CPU"] = float(num_cpus)
     return placement_group(bundles, strategy="STRICT_PACK")
+
+
+def release_placement(group) -> None:
+    """Remove a placement group (None: nothing to do); quietly when it is gone already or Ray is shutting down."""
+    if group is not None and ray.is_initialized():
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def limit_threads(n: int) -> None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import socket
 
 import threading
+import weakref
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treepo_ray.runtime.engine import limit_threads
+from treepo_ray.runtime.engine import limit_threads, release_placement
 from treepo_ray.runtime.weights import WeightSync
 
 
@@ -26,6 +27,7 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.learner = None
         self._held: dict[int, object] = {}  # rank 0, broadcast: version -> PackedWeights an engine may still ask for
+        self._spare: list = []  # rank 0, broadcast: buffers of forgotten versions, reused by the next export
         self._stores: dict[int, object] = {}  # port -> the rendezvous store of a transfer about to start
         self._lock = threading.Lock()
 
@@ -57,7 +59,9 @@ class LearnerActor:
         from treepo_ray.learner.export import export_packed
 
         pin = keep and self.learner.device.type == "cuda"
-        packed = export_packed(self.learner.model, dtype, self.rank, pin=pin)
+        with self._lock:
+            spare = self._spare.pop() if pin and self._spare else None
+        packed = export_packed(self.learner.model, dtype, self.rank, pin=pin, out=spare)
         if packed is None:
             return 0, None
         if not keep:
@@ -99,7 +103,9 @@ class LearnerActor:
     def forget_weights_before(self, version: int) -> None:
         with self._lock:
             for old in [v for v in self._held if v < version]:
-                del self._held[old]
+                buffer = self._held.pop(old).buffer
+                if not self._spare and getattr(buffer, "is_pinned", lambda: False)():
+                    self._spare.append(buffer)  # one is enough: each publish takes one, each sync frees one
 
     def save_checkpoint(self, directory: str, trainer_state: dict) -> str:
         return str(self.learner.save_checkpoint(directory, trainer_state))
@@ -124,6 +130,8 @@ class LearnerGroup:
         self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK") if bundle \
             else None
         """Bundle i holds rank i (None when the ranks ask for no resources at all)."""
+        # Ray ends the actors of a dropped group, not its placement group: that goes with the group object.
+        self._release = weakref.finalize(self, release_placement, self.placement)
         opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
         self.ranks = [LearnerActor.options(**opts, scheduling_strategy=self._bundle(r)).remote(r, world_size,
                                                                                               torch_threads)
@@ -149,9 +157,7 @@ class LearnerGroup:
         """Kill every rank and release the placement group (a rebuilt group needs its room)."""
         for rank in self.ranks:
             ray.kill(rank)
-        if self.placement is not None:
-            remove_placement_group(self.placement)
-            self.placement = None
+        self._release()
 
     def publish(self, version: int) -> None:
         """Export the current weights as `version` in the engines' dtype (the pool loads them when a batch needs

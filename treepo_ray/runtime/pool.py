@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
-from treepo_ray.runtime.engine import EngineActor, engine_placement, tensor_parallel_size
+from treepo_ray.runtime.engine import EngineActor, engine_placement, release_placement, tensor_parallel_size
 from treepo_ray.runtime.registry import RuntimeRegistry, actor_id, actor_lost, on_this_node, ping, report
 
 
@@ -72,6 +71,7 @@ class EngineSpec:
         if tp > 1 and self.num_gpus != tp:
             raise ValueError(f"runtime.engine_gpus = {self.num_gpus}, but model.engine_kwargs.tensor_parallel_size = "
                              f"{tp}: each engine needs {tp} GPUs")
+        weakref.finalize(self, _release_all, self.groups)  # a dropped pool's engines die; their groups go too
 
     def demand(self) -> dict[str, float]:
         want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
@@ -99,7 +99,12 @@ class EngineSpec:
     def release(self, keep: set[str]) -> None:
         """Remove the placement groups of engines not in `keep` (dead, dropped or killed): their GPUs go back."""
         for eid in [eid for eid in self.groups if eid not in keep]:
-            remove_placement_group(self.groups.pop(eid))
+            release_placement(self.groups.pop(eid))
+
+
+def _release_all(groups: dict) -> None:
+    for eid in list(groups):
+        release_placement(groups.pop(eid))
 
 
 class GeneratorPool:

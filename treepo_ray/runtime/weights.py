@@ -54,7 +54,7 @@ class WeightSync:
     backend: str = "gloo"
     """Broadcast backend: 'nccl' when the learner runs on a GPU, else 'gloo'."""
     bucket_bytes: int = 512 << 20
-    timeout_s: float = 600.0
+    timeout_s: float = 300.0
 
     @classmethod
     def for_run(cls, cfg, engine) -> WeightSync:
@@ -126,6 +126,14 @@ class BroadcastWeights:
             calls = {eid: actor.load_weights.remote(Slot(self, manifest, address, port, rank, world), version)
                      for rank, (eid, actor) in enumerate(live.items(), start=1)}
             dead, errors = [], []
+            try:  # the sender first: a lost learner is raised at once (its receivers time out on their own)
+                ray.get(send)
+            except RayActorError as err:
+                if actor_lost(err):
+                    raise
+                errors.append(err)
+            except Exception as err:  # noqa: BLE001 - a receiver's death fails the whole group's transfer
+                errors.append(err)
             for eid, ref in calls.items():
                 try:
                     ray.get(ref)
@@ -134,16 +142,8 @@ class BroadcastWeights:
                         dead.append(eid)
                     else:
                         errors.append(err)
-                except Exception as err:  # noqa: BLE001 - a peer's death fails the whole group's transfer
+                except Exception as err:  # noqa: BLE001
                     errors.append(err)
-            try:
-                ray.get(send)
-            except RayActorError as err:
-                if actor_lost(err):
-                    raise
-                errors.append(err)
-            except Exception as err:  # noqa: BLE001
-                errors.append(err)
             if not dead:
                 if errors:
                     raise errors[0]
