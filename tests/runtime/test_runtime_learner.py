@@ -6,6 +6,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
+from treepo_ray.engines.weights import unpack
 from treepo_ray.learner import LearnerConfig, TrainSample
 from treepo_ray.runtime.learner import LearnerGroup
 
@@ -24,11 +25,14 @@ def test_learner_group_two_ranks_train_export_and_publish(ray_local, tiny):
         before = AutoModelForCausalLM.from_pretrained(tiny).state_dict()
         assert set(exported) >= {k for k in before if k != "lm_head.weight"}
         assert any(not torch.equal(exported[k], before[k]) for k in exported)
-        # What the pool loads: the weights after the step, under the version they were published as.
+        # What the pool loads: the weights after the step, under the version they were published as (one packed
+        # object-store copy, float32 by default).
         group.publish(1)
-        version, ref = group.published
-        published = ray.get(ref)
-        assert version == 1 and all(torch.equal(published[k], exported[k]) for k in exported)
+        version, weights = group.published
+        packed = ray.get(weights.packed)
+        published = unpack(packed.specs, packed.buffer)
+        assert version == 1 and set(published) == set(exported)
+        assert all(torch.equal(published[k], exported[k]) for k in published)
     finally:
         for r in group.ranks:
             ray.kill(r)

@@ -215,6 +215,31 @@ class ChaosConfig:
             raise ValueError(f"runtime.chaos.how = {self.how!r}; it must be one of {KILL_MODES}")
 
 
+WEIGHT_PATHS = ("auto", "broadcast", "object_store")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How each new version of the weights reaches the engines (runtime/weights.py)."""
+
+    path: str = "auto"
+    """'broadcast': learner rank 0 sends them to every engine over a process group of their own (nccl between GPUs,
+    gloo on CPU); 'object_store': one object-store copy, read without a copy on each node; 'auto': broadcast when
+    learner ranks and engines each hold whole GPUs and every engine loads weights in its own process (not vLLM with
+    tensor_parallel_size > 1), else object_store."""
+    bucket_mb: int = 512
+    """A broadcast sends the weights in pieces of whole tensors of at most this many MiB (receive buffers)."""
+    timeout_s: float = 300.0
+    """A broadcast (rendezvous included) that takes longer fails; the pool then sends again without any engine that
+    died meanwhile (with NCCL a dead peer is only noticed at this timeout)."""
+
+    def __post_init__(self) -> None:
+        if self.path not in WEIGHT_PATHS:
+            raise ValueError(f"runtime.weights.path = {self.path!r}; choose one of {WEIGHT_PATHS}")
+        if self.bucket_mb < 1 or self.timeout_s <= 0:
+            raise ValueError("runtime.weights.bucket_mb must be >= 1 and runtime.weights.timeout_s > 0")
+
+
 # ---------------------------------------------------------------------------------------------- the job
 
 
@@ -297,6 +322,8 @@ class RuntimeConfig:
     """Generator pool size between num_engines and elastic.max_engines, following the cluster."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Deliberate engine kills, to rehearse recovery (off by default)."""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How new weights reach the engines: broadcast (NCCL on GPUs) or the object store."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:

@@ -6,7 +6,8 @@
 With max_staleness = s the producer may run up to s batches ahead of the learner: while the learner trains on
 batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
 synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
-samples; weights travel as one ObjectRef (one object-store copy) to every engine.
+samples; weights travel in the engines' dtype by broadcast from learner rank 0 or as one object-store copy
+(weights.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
 from treepo_ray.runtime.registry import event_metrics, on_this_node, report
 from treepo_ray.runtime.scheduler import TreeScheduler
 from treepo_ray.runtime.verifier import VerifierPool
+from treepo_ray.runtime.weights import WeightSync, sync_metrics
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
@@ -95,6 +97,11 @@ class Pipeline:
         self.schedulers = [scheduler.remote(self.pool, self.verifiers, model_path, cfg.algo.sampler,
                                             cfg.sampler_config, sampling, catpo, (self.healers or [None])[0])
                            for _ in range(rt.num_schedulers)]
+        # How weights reach the engines (path, the engines' dtype): asked of a running engine, before any export.
+        self.weight_sync = WeightSync.for_run(cfg, self.pool.engines()[0])
+        self.sync_metrics: dict = {}
+        """The last weight sync's `weights/*` figures (path, bytes), logged with the batch it preceded."""
+        print(self.weight_sync.describe(), flush=True)
         self.learner = self.build_learner()
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
@@ -103,14 +110,17 @@ class Pipeline:
     def build_learner(self) -> LearnerGroup:
         """A new learner group with the base weights (also what replaces a lost one, see recovery.py)."""
         rt = self.cfg.runtime
+        old = getattr(self, "learner", None)
+        if old is not None:  # a lost group: its ranks go, and its placement group's room goes to the new one
+            old.close()
         return LearnerGroup(self.model_path, self.cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
-                            rt.learner_resources, rt.torch_threads)
+                            rt.learner_resources, rt.torch_threads, weights=self.weight_sync)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
         self.pool.close()  # the engines, pending ones too, and the registry
-        actors = self.verifiers.actors() + self.schedulers + self.healers + self.learner.ranks
-        for actor in actors:
+        self.learner.close()  # the ranks and their placement group
+        for actor in self.verifiers.actors() + self.schedulers + self.healers:
             ray.kill(actor)
 
     # ------------------------------------------------------------------------------------------ weights
@@ -119,12 +129,15 @@ class Pipeline:
         """Load the learner's newest published weights into every engine if they run older ones (or, with `force`,
         whatever they run); returns seconds spent."""
         t0 = time.perf_counter()
-        version, ref = self.learner.published
+        version, weights = self.learner.published
         # Invariant (guaranteed by the slots in `train`): the learner has published a version the batch may use.
         assert version >= min_version, f"weights v{version} published, batch needs v{min_version} or newer"
-        if ref is not None and (force or version > self.pool.weights_version):
-            self.pool.load_weights(ref, version)  # engines that join later load these first
-        return time.perf_counter() - t0
+        loaded = weights is not None and (force or version > self.pool.weights_version)
+        if loaded:
+            self.pool.load_weights(weights, version)  # engines that join later load these first
+        seconds = time.perf_counter() - t0
+        self.sync_metrics = sync_metrics(weights if loaded else None)
+        return seconds
 
     # ------------------------------------------------------------------------------------------ rollouts
 
@@ -256,7 +269,7 @@ class Pipeline:
                     if eval_every and step > start_step and step % eval_every == 0:
                         evaluated = self.evaluate(self.eval_set, **self.eval_args)
                     batch = self.make_batch(step, stream, trees_per_step)
-                    batch.metrics.update(evaluated, **{"timing_s/update_weights": sync_s})
+                    batch.metrics.update(evaluated, **self.sync_metrics, **{"timing_s/update_weights": sync_s})
                     batches.put(batch)
             except BaseException as err:  # surfaces in the consumer, which re-raises it
                 batches.put(err)

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
-from treepo_ray.runtime.engine import EngineActor
+from treepo_ray.runtime.engine import EngineActor, engine_placement, release_placement, tensor_parallel_size
 from treepo_ray.runtime.registry import RuntimeRegistry, actor_id, actor_lost, on_this_node, ping, report
 
 
@@ -62,6 +63,15 @@ class EngineSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict, init=False, repr=False)
+    """Actor id -> placement group of each tensor-parallel engine started (engine.py), until `release`."""
+
+    def __post_init__(self) -> None:
+        tp = tensor_parallel_size(self.engine, self.engine_kwargs)
+        if tp > 1 and self.num_gpus != tp:
+            raise ValueError(f"runtime.engine_gpus = {self.num_gpus}, but model.engine_kwargs.tensor_parallel_size = "
+                             f"{tp}: each engine needs {tp} GPUs")
+        weakref.finalize(self, _release_all, self.groups)  # a dropped pool's engines die; their groups go too
 
     def demand(self) -> dict[str, float]:
         want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
@@ -72,9 +82,29 @@ class EngineSpec:
         return all(available.get(k, 0.0) >= v for k, v in self.demand().items())
 
     def start(self):
+        tp = tensor_parallel_size(self.engine, self.engine_kwargs)
+        if tp > 1:  # in its GPUs' placement group, where vLLM's Ray executor finds them
+            group = engine_placement(tp, self.num_cpus, self.resources)
+            place = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                     placement_group_capture_child_tasks=True)
+            actor = EngineActor.options(num_cpus=self.num_cpus, scheduling_strategy=place, max_restarts=0,
+                                        max_task_retries=0).remote(self.engine, self.model_path, self.engine_kwargs,
+                                                                   self.torch_threads)
+            self.groups[actor_id(actor)] = group
+            return actor
         return EngineActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
                                    max_restarts=0, max_task_retries=0).remote(
             self.engine, self.model_path, self.engine_kwargs, self.torch_threads)
+
+    def release(self, keep: set[str]) -> None:
+        """Remove the placement groups of engines not in `keep` (dead, dropped or killed): their GPUs go back."""
+        for eid in [eid for eid in self.groups if eid not in keep]:
+            release_placement(self.groups.pop(eid))
+
+
+def _release_all(groups: dict) -> None:
+    for eid in list(groups):
+        release_placement(groups.pop(eid))
 
 
 class GeneratorPool:
@@ -255,6 +285,11 @@ class GeneratorPool:
     def _load_into_engines(self, state_ref, version: int) -> list[str]:
         """Load one object-store copy of the weights into every engine; returns the ids of engines found dead
         (the pool manager replaces them). Any other failure is raised."""
+        if hasattr(state_ref, "deliver"):  # a broadcast (weights.py): one transfer to every engine at once
+            lost = state_ref.deliver(dict(self._engines), version)
+            for eid in lost:
+                self._lost(eid)
+            return lost
         refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
         lost = []
         for eid, ref in refs.items():
@@ -307,6 +342,7 @@ class GeneratorPool:
         with self._lock:
             self._admit(wait_s)
             self._check_health()
+            self.spec.release(set(self._members) | set(self._pending))  # tensor-parallel engines' GPUs
             self._request_more()
 
     def _admit(self, wait_s: float) -> None:
@@ -413,6 +449,7 @@ class GeneratorPool:
                 ray.kill(actor)
             self._members.clear()
             self._pending.clear()
+            self.spec.release(set())
         ray.kill(self.registry)
 
     # -------------------------------------------------------------------------------- what the pipeline calls
