@@ -132,7 +132,7 @@ def test_the_pipeline_logs_each_syncs_path_and_bytes(ray_local, tiny):
         pipe.train(0, 2, PromptStream(run.train_set, 0), lambda batch, m: rows.append(m) or True)
         first, second = rows
         assert first["weights/bytes"] == 0.0 and "weights/broadcast" not in first  # nothing published before step 0
-        assert second["weights/broadcast"] == 1.0 and second["weights/bytes"] > 0 and second["time/weight_sync"] > 0
+        assert second["weights/broadcast"] == 1.0 and second["weights/bytes"] > 0 and second["timing_s/update_weights"] > 0
         assert {s["weights_version"] for s in pipe.pool.stats()} == {1}
     finally:
         pipe.shutdown()

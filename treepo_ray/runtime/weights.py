@@ -13,7 +13,7 @@
 Rank 0 keeps each version until the pool has moved past it, and sends from a concurrency group of its own, so a
 transfer runs while the learner trains the next step. The pool (pool.py) calls `deliver` to bring every live engine
 to a version, and an engine actor calls `load_into` when it joins; the pipeline logs each sync's path and bytes (`weights/*`)
-and seconds (`time/weight_sync`).
+and seconds (`timing_s/update_weights`).
 """
 
 from __future__ import annotations
@@ -202,6 +202,6 @@ def receive_into(engine, manifest: PackedWeights, address: str, port: int, rank:
 
 
 def sync_metrics(weights) -> dict[str, float]:
-    """A weight sync's figures besides its seconds (time/weight_sync): bytes sent to each engine (0 when the engines
+    """A weight sync's figures besides its seconds (timing_s/update_weights): bytes sent to each engine (0 when the engines
     were up to date) and whether by broadcast (1) or the object store (0)."""
     return weights.metrics() if weights is not None else {"weights/bytes": 0.0}
