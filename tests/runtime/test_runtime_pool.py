@@ -14,8 +14,8 @@ from treepo_ray.runtime.registry import actor_id
 from runtime_testlib import job, two_engines
 
 # A copy's routing fields (GeneratorPool._ROUTING) as a freshly pickled pool has them, before any member list.
-FRESH_ROUTING = dict(registry=None, max_resends=16, refresh_s=0.5, engine_wait_s=900.0, _epoch=0, _engines={},
-                     _trees={}, _home={}, _dead=set())
+FRESH_ROUTING = dict(registry=None, max_resends=16, refresh_s=0.5, engine_wait_s=900.0, deadlines=None,
+                     max_engine_errors=3, _epoch=0, _engines={}, _trees={}, _home={}, _dead=set())
 
 
 def routing_copy(engines: dict) -> GeneratorPool:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def test_train_survives_engine_chaos_and_a_lost_learner(ray_local, tiny, tmp_path):
     run = tmp_path / "run"
     args = two_engines(tiny, f"trainer.run_dir={run}", "trainer.steps=4", "trainer.save_every=2",
-                       "log.trees_per_step=4", "runtime.chaos.kill_generator_every=2",
+                       "log.trees_per_step=4", "runtime.chaos.kill_every=2",
                        "runtime.chaos.kill_learner_after_step=3")
     assert train_main(args) == 0
     summary = json.loads((run / "summary.json").read_text())

@@ -46,8 +46,9 @@ class RunLogger:
     """Fans each step's metrics out to every sink; `close()` draws the training curve."""
 
     def __init__(self, run_dir: Path, cfg: LogConfig, config_dict: dict, name: str, resume_step: int = 0,
-                 sinks: list[Callable[[dict], None]] | None = None):
-        """`sinks`: more places each step's finite metrics go (called with the {name: value} dict)."""
+                 sinks: list[Callable[[dict], None]] | None = None, run_id: str | None = None):
+        """`sinks`: more places each step's finite metrics go (called with the {name: value} dict). `run_id`: the
+        W&B run id (kept in the run directory, job/rundir.py), so that a resumed run continues the same W&B run."""
         self.run_dir, self.cfg = Path(run_dir), cfg
         self.sinks = list(sinks or [])
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ class RunLogger:
                 os.environ.setdefault("WANDB_MODE", "offline")
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project, name=name, dir=str(self.run_dir),
+            self._wandb = wandb.init(project=cfg.wandb_project, name=name, id=run_id, dir=str(self.run_dir),
                                      config=config_dict, resume="allow", reinit="finish_previous")
 
     def log(self, step: int, metrics: dict) -> str:

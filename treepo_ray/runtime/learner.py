@@ -8,7 +8,9 @@ import socket
 
 import ray
 
+from treepo_ray.job.config import DeadlineConfig
 from treepo_ray.runtime.engine import limit_threads
+from treepo_ray.runtime.liveness import get, started
 
 
 @ray.remote
@@ -54,11 +56,15 @@ class LearnerGroup:
     """`world_size` learner ranks acting as one learner; every call goes to all ranks, rank 0's answer returned."""
 
     def __init__(self, model_path: str, cfg, world_size: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 resources: dict | None = None, torch_threads: int = 1):
+                 resources: dict | None = None, torch_threads: int = 1, deadlines: DeadlineConfig | None = None):
         opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
+        self.deadlines = dl = deadlines or DeadlineConfig()
         self.ranks = [LearnerActor.options(**opts).remote(r, world_size, torch_threads) for r in range(world_size)]
-        addr, port = ray.get(self.ranks[0].rendezvous.remote())
-        ray.get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks])
+        asks = {k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
+        started([(f"learner rank {r}", rank, asks) for r, rank in enumerate(self.ranks)], dl.start_s)
+        addr, port = get(self.ranks[0].rendezvous.remote(), dl.call_s, "learner rank 0 (rendezvous)")
+        get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks], dl.start_s, "learner ranks loading "
+            "the model")
         self.published: tuple[int, object] = (0, None)
         """The newest weights exported for the generators: (version, ObjectRef); (0, None) before the first."""
 
@@ -76,7 +82,9 @@ class LearnerGroup:
         return [r.export_weights.remote() for r in self.ranks][0]
 
     def save_checkpoint(self, directory: str, trainer_state: dict) -> str:
-        return ray.get([r.save_checkpoint.remote(directory, trainer_state) for r in self.ranks])[0]
+        refs = [r.save_checkpoint.remote(directory, trainer_state) for r in self.ranks]
+        return get(refs, self.deadlines.checkpoint_s, f"learner saving {directory}")[0]
 
     def load_checkpoint(self, directory: str) -> dict:
-        return ray.get([r.load_checkpoint.remote(directory) for r in self.ranks])[0]
+        refs = [r.load_checkpoint.remote(directory) for r in self.ranks]
+        return get(refs, self.deadlines.checkpoint_s, f"learner loading {directory}")[0]

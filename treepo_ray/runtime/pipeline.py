@@ -7,6 +7,12 @@ With max_staleness = s the producer may run up to s batches ahead of the learner
 batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
 synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
 samples; weights travel as one ObjectRef (one object-store copy) to every engine.
+
+Growing a batch survives its actors: a scheduler that is lost or stuck (runtime/liveness.py's heartbeat), or whose
+prompts failed because the CATPO healer was lost, is replaced and its prompts grown again on the new one with the
+same seeds, so the batch is the one the lost actor was growing (`grow`). The batches waiting in the queue when a
+checkpoint is taken are saved with it (`queued_batches`, job/rundir.py) and trained first when the run resumes
+(`train(queued=...)`), instead of being grown again with newer weights.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError
 
 from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, sampled_tokens
 from treepo_ray.algo.credit import keep_tree, tree_metrics
@@ -29,10 +36,11 @@ from treepo_ray.job.config import TrainConfig
 from treepo_ray.learner.batch import samples_from_trees
 from treepo_ray.runtime.healer import make_healer
 from treepo_ray.runtime.learner import LearnerGroup
+from treepo_ray.runtime.liveness import DeadlineExceeded, Heartbeat, get, started
 from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
-from treepo_ray.runtime.registry import event_metrics, on_this_node, report
+from treepo_ray.runtime.registry import actor_lost, event_metrics, on_this_node, ping, report
 from treepo_ray.runtime.scheduler import TreeScheduler
-from treepo_ray.runtime.verifier import VerifierPool
+from treepo_ray.runtime.verifier import VerifierPool, verification_metrics
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
@@ -55,6 +63,13 @@ class RolloutBatch:
     metrics: dict = field(default_factory=dict)
     trees: list[dict] = field(default_factory=list)
     """A few of the batch's trees with decoded texts, for trees.jsonl."""
+    kept: list[Tree] = field(default_factory=list)
+    """The trees the samples were made from (saved with a checkpoint while the batch waits in the queue)."""
+
+    def to_record(self) -> dict:
+        """What a checkpoint keeps of a batch waiting in the queue (JSON): enough to train it after a restart."""
+        return {"step": self.step, "version": self.version, "data_position": self.data_position,
+                "metrics": self.metrics, "trees": self.trees, "kept": [t.to_dict() for t in self.kept]}
 
 
 class Pipeline:
@@ -69,21 +84,22 @@ class Pipeline:
         spec = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
                           rt.engine_gpus, rt.engine_resources)
         self.pool = GeneratorPool(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
-                                  rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s)
+                                  rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s,
+                                  deadlines=rt.deadlines, max_engine_errors=rt.faults.max_engine_errors)
         self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
                                             self.pool.registry, rt.faults)
-        sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        started([(f"verifier {i}", v, {"CPU": rt.verifier_cpus} if rt.verifier_cpus else {})
+                 for i, v in enumerate(self.verifiers.verifiers)], rt.deadlines.start_s)
+        self._sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
         # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
-        catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
-        self.healers = ([make_healer(self.pool, self.verifiers, model_path, catpo, cfg.sampler_config.step_len)]
-                        if catpo is not None and catpo.heal else [])
-        # Schedulers mostly wait on engines and verifiers, so they reserve no CPU. They hold the tree state, so they
-        # live on the driver's node (same failure domain), never on a spot generator node that can vanish.
-        scheduler = TreeScheduler.options(num_cpus=0, scheduling_strategy=on_this_node())
-        self.schedulers = [scheduler.remote(self.pool, self.verifiers, model_path, cfg.algo.sampler,
-                                            cfg.sampler_config, sampling, catpo, (self.healers or [None])[0])
-                           for _ in range(rt.num_schedulers)]
+        self._catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
+        self.healers = [self._start_healer()] if self._catpo is not None and self._catpo.heal else []
+        self.schedulers = [self._start_scheduler() for _ in range(rt.num_schedulers)]
+        started([(f"scheduler {i}", a, {}) for i, a in enumerate(self.schedulers)]
+                + [("healer", a, {}) for a in self.healers], rt.deadlines.start_s)
+        self._heartbeat = Heartbeat(rt.deadlines.heartbeat_s)  # of the schedulers and the healer, while growing
+        self._batches: queue.Queue | None = None  # the queue of the running train() (queued_batches reads it)
         self.learner = self.build_learner()
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
@@ -93,7 +109,21 @@ class Pipeline:
         """A new learner group with the base weights (also what replaces a lost one, see recovery.py)."""
         rt = self.cfg.runtime
         return LearnerGroup(self.model_path, self.cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
-                            rt.learner_resources, rt.torch_threads)
+                            rt.learner_resources, rt.torch_threads, rt.deadlines)
+
+    def _start_scheduler(self):
+        """A tree scheduler. Schedulers mostly wait on engines and verifiers, so they reserve no CPU. They hold the
+        tree state, so they live on the driver's node (same failure domain), never on a spot generator node that
+        can vanish; a lost one is replaced by the pipeline, not restarted by Ray (`grow`)."""
+        cfg = self.cfg
+        return TreeScheduler.options(num_cpus=0, scheduling_strategy=on_this_node(), max_restarts=0,
+                                     max_task_retries=0).remote(
+            self.pool, self.verifiers, self.model_path, cfg.algo.sampler, cfg.sampler_config, self._sampling,
+            self._catpo, (self.healers or [None])[0], cfg.runtime.deadlines.grow_s)
+
+    def _start_healer(self):
+        return make_healer(self.pool, self.verifiers, self.model_path, self._catpo, self.cfg.sampler_config.step_len,
+                           self.cfg.runtime.deadlines.grow_s)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
@@ -118,14 +148,92 @@ class Pipeline:
     # ------------------------------------------------------------------------------------------ rollouts
 
     def grow(self, prompts: list[Prompt]) -> list[Tree]:
-        """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order."""
+        """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order.
+
+        A shard whose scheduler is lost, or stuck (heartbeat), or whose trees failed because the healer was lost,
+        is grown again from its start on a replacement (runtime.faults.max_regrows times per batch at most). Its
+        prompts carry their seeds, so the new trees are those the lost scheduler was growing. Any other failure of
+        a shard stops the batch."""
+        rt = self.cfg.runtime
         k = len(self.schedulers)
-        refs = [s.grow.remote(prompts[i::k]) for i, s in enumerate(self.schedulers) if prompts[i::k]]
-        shards = ray.get(refs)
+        shards = {i: prompts[i::k] for i in range(k) if prompts[i::k]}
+        healer = lambda: (self.healers or [None])[0]  # noqa: E731 - the healer a shard's trees are sent to
+        running = {self.schedulers[i].grow.remote(shard): (i, healer()) for i, shard in shards.items()}
+        results: dict[int, list[Tree]] = {}
+        regrows, deadline = 0, time.monotonic() + rt.deadlines.grow_s
+        while running:
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"growing {len(prompts)} prompts: no answer within {rt.deadlines.grow_s:g}s "
+                                       "(runtime.deadlines.grow_s)")
+            done, _ = ray.wait(list(running), num_returns=len(running), timeout=rt.elastic.poll_s)
+            self._kill_stuck()
+            for ref in done:
+                i, its_healer = running.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                    continue
+                except Exception as err:  # noqa: BLE001 - recovered below if an actor was lost, else raised
+                    if not self._replace_lost(i, err, its_healer):
+                        raise
+                    regrows += 1
+                    if regrows > rt.faults.max_regrows:
+                        raise RuntimeError(f"a batch's prompts were grown again {regrows - 1} times and their "
+                                           "actors keep failing (runtime.faults.max_regrows)") from err
+                self.pool.registry.record.remote("regrown_prompts", f"{len(shards[i])} prompts grown again on a new "
+                                                 "scheduler, with the same seeds", len(shards[i]))
+                running[self.schedulers[i].grow.remote(shards[i])] = (i, healer())
         out: list[Tree] = [None] * len(prompts)  # type: ignore[list-item]
-        for i, shard in enumerate(shards):
+        for i, shard in results.items():
             out[i::k] = shard
         return out
+
+    def _kill_stuck(self) -> None:
+        """Heartbeat of the schedulers and the healer: a stuck one is killed, so that its calls fail and `grow`
+        replaces it like a lost one (a dead one is found the same way, through its failed call)."""
+        actors = {f"scheduler {i}": a for i, a in enumerate(self.schedulers)}
+        actors.update({"healer": a for a in self.healers})
+        _, stuck = self._heartbeat.check(actors)
+        for name in stuck:
+            ray.kill(actors[name])
+            self._heartbeat.forget(name)
+            msg = (f"{name} did not answer a ping for {self.cfg.runtime.deadlines.heartbeat_s:g}s "
+                   "(runtime.deadlines.heartbeat_s): killed and replaced")
+            report(msg)
+            self.pool.registry.record.remote("schedulers_stuck" if name != "healer" else "healers_stuck", msg)
+
+    def _replace_lost(self, i: int, err: BaseException, its_healer) -> bool:
+        """Scheduler `i`'s shard failed with `err`: replace what was lost (the scheduler itself, or `its_healer`,
+        the healer its trees were sent to) and return True; False when nothing was lost (the error is the shard's
+        own)."""
+        dl = self.cfg.runtime.deadlines
+        if isinstance(err, RayActorError) and actor_lost(err):
+            msg = f"scheduler {i} lost ({type(err).__name__}); a new one grows its prompts again"
+            report(msg)
+            self.pool.registry.record.remote("schedulers_lost", msg)
+            self._heartbeat.forget(f"scheduler {i}")
+            self.schedulers[i] = self._start_scheduler()
+            started([(f"scheduler {i}", self.schedulers[i], {})], dl.start_s)
+            return True
+        if its_healer is not None and its_healer is not self.healers[0]:
+            return True  # another shard's failure replaced that healer already
+        if self.healers and not self._answers(self.healers[0]):
+            msg = f"the CATPO healer was lost ({type(err).__name__}); a new one takes over"
+            report(msg)
+            self.pool.registry.record.remote("healers_lost", msg)
+            ray.kill(self.healers[0])
+            self._heartbeat.forget("healer")
+            self.healers = [self._start_healer()]
+            started([("healer", self.healers[0], {})], dl.start_s)
+            get([s.set_healer.remote(self.healers[0]) for s in self.schedulers], dl.call_s, "schedulers")
+            return True
+        return False
+
+    def _answers(self, actor) -> bool:
+        try:
+            get(ping(actor), self.cfg.runtime.deadlines.call_s, "ping")
+        except (RayActorError, DeadlineExceeded):
+            return False
+        return True
 
     def make_batch(self, step: int, stream: PromptStream, num_trees_logged: int = 0) -> RolloutBatch:
         """Grow, score and credit one step's batch (DAPO dynamic sampling: refill filtered prompts)."""
@@ -140,6 +248,7 @@ class Pipeline:
             n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
             trees = self.grow(stream.take(n))
             grown += trees
+            trees = [t for t in trees if t.trajectories]  # none left when every verification of a tree failed
             kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
             if len(kept) >= need:
                 break
@@ -147,12 +256,11 @@ class Pipeline:
             pick = np.random.default_rng([cfg.trainer.seed, step]).choice(len(kept), need, replace=False)
             kept = [kept[i] for i in sorted(pick)]
         t_grow = time.perf_counter()
-        # CATPO phase 4 (phases 2-3 ran in the schedulers): each tree's advantages scaled by w(T) = F / mean F.
-        weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
-        samples = samples_from_trees(kept, algo.advantages(kept), weights)
+        samples, weights = self.credit(kept)
         t_credit = time.perf_counter()
 
         metrics = tree_metrics(grown, algo.correct_threshold)
+        metrics.update(verification_metrics(grown, cfg.runtime.faults.max_verify_failed_share))
         metrics["rollout/sampled_tokens"] = float(sampled_tokens(grown))  # healing's generation included
         if algo.name == "catpo":
             metrics.update(catpo_metrics(grown, weights))
@@ -170,7 +278,28 @@ class Pipeline:
             "time/credit": t_credit - t_grow,
         })
         return RolloutBatch(step, self.pool.weights_version, ray.put(samples), len(samples), stream.position, metrics,
-                            [self.tree_record(t) for t in kept[:num_trees_logged]])
+                            [self.tree_record(t) for t in kept[:num_trees_logged]], kept)
+
+    def credit(self, kept: list[Tree]) -> tuple[list, list[float] | None]:
+        """The training samples of the kept trees and, under CATPO, the tree weights they were scaled by (phase 4;
+        phases 2-3 ran in the schedulers): each tree's advantages times w(T) = F / mean F."""
+        algo = self.cfg.algo
+        weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
+        return samples_from_trees(kept, algo.advantages(kept), weights), weights
+
+    def batch_from_record(self, record: dict) -> RolloutBatch:
+        """A batch saved with a checkpoint while it waited in the queue (RolloutBatch.to_record), ready to train."""
+        kept = [Tree.from_dict(t) for t in record["kept"]]
+        samples, _ = self.credit(kept)
+        return RolloutBatch(record["step"], record["version"], ray.put(samples), len(samples),
+                            record["data_position"], dict(record["metrics"]), list(record["trees"]), kept)
+
+    def queued_batches(self) -> list[RolloutBatch]:
+        """The batches waiting in the running train()'s queue for the learner, oldest first (a checkpoint keeps them)."""
+        if self._batches is None:
+            return []
+        with self._batches.mutex:
+            return [b for b in self._batches.queue if isinstance(b, RolloutBatch)]
 
     def _engine_counters(self) -> dict:
         """Counters per engine id (an engine that joins mid-batch counts from zero; one that dies is left out)."""
@@ -180,7 +309,7 @@ class Pipeline:
         """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
         events = self.pool.drain_events()
         for _, kind, detail, _ in events:
-            if kind in ("engines_lost", "engines_joined", "chaos_kills"):
+            if kind in ("engines_lost", "engines_joined", "chaos_kills", "engines_stuck", "engine_errors"):
                 report(detail)  # the others were logged where they happened
         return {"pool/size": float(self.pool.size), **event_metrics(events)}
 
@@ -206,28 +335,36 @@ class Pipeline:
         results = self.pool.generate_now(reqs)  # spread over the live engines, re-sent if one dies
         triples = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
                     p.ground_truth) for p, r in zip(problems, results) for c in r.children]
-        rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
+        scored = get(self.verifiers.score(triples), self.cfg.runtime.deadlines.grow_s, "verifying the evaluation")
+        rewards = np.array([r for r in scored if r is not None], dtype=np.float64)  # failed ones left out
         lengths = [len(c.token_ids) for r in results for c in r.children]
-        return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
-                "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
+        return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()) if rewards.size else 0.0,
+                "eval/reward": float(rewards.mean()) if rewards.size else 0.0,
+                "eval/response_len": float(np.mean(lengths)), "eval/verify_failed": float(len(scored) - rewards.size),
                 "eval/problems": float(len(problems)), "eval/version": float(version),
                 "time/eval": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def train(self, start_step: int, end_step: int, stream: PromptStream, on_step, trees_per_step: int = 0,
-              eval_every: int = 0, max_staleness: int | None = None) -> int:
+              eval_every: int = 0, max_staleness: int | None = None, queued: list[RolloutBatch] = ()) -> int:
         """Train steps [start_step, end_step); `on_step(batch, metrics) -> bool` logs and checkpoints after each
         step and returns False to stop early. With `eval_every`, the producer evaluates `self.eval_set` on the
         weights it has just loaded every that many steps (between two batches, so the engines are idle).
-        `max_staleness` overrides runtime.max_staleness for this call. Returns the number of steps completed
+        `max_staleness` overrides runtime.max_staleness for this call. `queued`: batches of the first steps that
+        were already grown (they waited in the queue when the checkpoint being resumed was taken); they are
+        trained as they are, and `stream` continues after the last of them. Returns the number of steps completed
         (the learner's new version)."""
         s = self.cfg.runtime.max_staleness if max_staleness is None else max_staleness
+        queued = list(queued)
+        if [b.step for b in queued] != list(range(start_step, start_step + len(queued))):
+            raise ValueError(f"queued batches of steps {[b.step for b in queued]} do not start at step {start_step}")
         # Back-pressure and the staleness bound in one place: the producer takes a slot before growing a batch and
         # the consumer returns it after training on one and publishing the new weights. With s + 1 slots, batch k
         # starts only after batch k - s - 1 has been trained, i.e. when weights of version >= k - s exist.
         slots = threading.Semaphore(s + 1)
         batches: queue.Queue = queue.Queue(maxsize=s + 1)
+        self._batches = batches
         stop = threading.Event()
 
         def produce() -> None:
@@ -236,6 +373,9 @@ class Pipeline:
                     slots.acquire()
                     if stop.is_set():
                         break
+                    if queued:  # grown before the restart, with the weights of its own time
+                        batches.put(queued.pop(0))
+                        continue
                     sync_s = self.sync_weights(min_version=step - s)
                     evaluated = {}
                     if eval_every and step > start_step and step % eval_every == 0:
@@ -266,7 +406,8 @@ class Pipeline:
                 t_train = time.perf_counter()
                 metrics = {}
                 if batch.num_samples:
-                    learner = ray.get(self.learner.train_step(batch.samples))
+                    learner = get(self.learner.train_step(batch.samples), self.cfg.runtime.deadlines.train_step_s,
+                                  "learner step")
                     metrics = {f"train/{k}": v for k, v in learner.items()}
                 else:
                     metrics = {"train/skipped": 1.0}
@@ -285,6 +426,7 @@ class Pipeline:
                 if not on_step(batch, metrics):
                     break
         finally:
+            self._batches = None
             stop.set()
             slots.release()  # wake a producer waiting for a slot so it sees `stop`
             while producer.is_alive():
