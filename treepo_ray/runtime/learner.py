@@ -61,10 +61,15 @@ class LearnerGroup:
         self.deadlines = dl = deadlines or DeadlineConfig()
         self.ranks = [LearnerActor.options(**opts).remote(r, world_size, torch_threads) for r in range(world_size)]
         asks = {k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
-        started([(f"learner rank {r}", rank, asks) for r, rank in enumerate(self.ranks)], dl.start_s)
-        addr, port = get(self.ranks[0].rendezvous.remote(), dl.call_s, "learner rank 0 (rendezvous)")
-        get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks], dl.start_s, "learner ranks loading "
-            "the model")
+        try:
+            started([(f"learner rank {r}", rank, asks) for r, rank in enumerate(self.ranks)], dl.start_s)
+            addr, port = get(self.ranks[0].rendezvous.remote(), dl.call_s, "learner rank 0 (rendezvous)")
+            get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks], dl.start_s,
+                "learner ranks loading the model")
+        except BaseException:
+            for rank in self.ranks:  # pending ones too: no demand left behind for an autoscaler to chase
+                ray.kill(rank)
+            raise
         self.published: tuple[int, object] = (0, None)
         """The newest weights exported for the generators: (version, ObjectRef); (0, None) before the first."""
 

@@ -38,7 +38,7 @@ from treepo_ray.runtime.healer import make_healer
 from treepo_ray.runtime.learner import LearnerGroup
 from treepo_ray.runtime.liveness import DeadlineExceeded, Heartbeat, get, started
 from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
-from treepo_ray.runtime.registry import actor_lost, event_metrics, on_this_node, ping, report
+from treepo_ray.runtime.registry import actor_lost, brief, event_metrics, on_this_node, ping, report
 from treepo_ray.runtime.scheduler import TreeScheduler
 from treepo_ray.runtime.verifier import VerifierPool, verification_metrics
 from treepo_ray.tree import Tree
@@ -207,7 +207,7 @@ class Pipeline:
         own)."""
         dl = self.cfg.runtime.deadlines
         if isinstance(err, RayActorError) and actor_lost(err):
-            msg = f"scheduler {i} lost ({type(err).__name__}); a new one grows its prompts again"
+            msg = f"scheduler {i} lost ({brief(err)}); a new one grows its prompts again"
             report(msg)
             self.pool.registry.record.remote("schedulers_lost", msg)
             self._heartbeat.forget(f"scheduler {i}")
@@ -217,7 +217,7 @@ class Pipeline:
         if its_healer is not None and its_healer is not self.healers[0]:
             return True  # another shard's failure replaced that healer already
         if self.healers and not self._answers(self.healers[0]):
-            msg = f"the CATPO healer was lost ({type(err).__name__}); a new one takes over"
+            msg = f"the CATPO healer was lost ({brief(err)}); a new one takes over"
             report(msg)
             self.pool.registry.record.remote("healers_lost", msg)
             ray.kill(self.healers[0])
@@ -309,7 +309,7 @@ class Pipeline:
         """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
         events = self.pool.drain_events()
         for _, kind, detail, _ in events:
-            if kind in ("engines_lost", "engines_joined", "chaos_kills", "engines_stuck", "engine_errors"):
+            if kind in ("engines_lost", "engines_joined", "engines_stuck", "engine_errors") or kind.startswith("chaos"):
                 report(detail)  # the others were logged where they happened
         return {"pool/size": float(self.pool.size), **event_metrics(events)}
 

@@ -30,7 +30,7 @@ from treepo_ray.job.rundir import load_pending
 from treepo_ray.job.state import TrainerState
 from treepo_ray.learner import latest_checkpoint
 from treepo_ray.runtime.liveness import DeadlineExceeded, get
-from treepo_ray.runtime.registry import actor_lost, ping, report
+from treepo_ray.runtime.registry import actor_lost, brief, ping, report
 
 
 # ---------------------------------------------------------------------------------------------- the learner
@@ -156,7 +156,7 @@ def train_with_recovery(pipe, start: int, end: int, stream: PromptStream, on_ste
         if reached[0] == chaos_cfg.kill_learner_after_step and not learner_killed[0]:
             learner_killed[0] = True
             done = kill_actor(pipe.learner.ranks[0], "signal")
-            pipe.pool.registry.record.remote("chaos_kills", f"chaos killed learner rank 0 ({done})")
+            pipe.pool.registry.record.remote("chaos_kills_learner", f"chaos killed learner rank 0 ({done})")
         return go_on
 
     try:
@@ -170,8 +170,8 @@ def train_with_recovery(pipe, start: int, end: int, stream: PromptStream, on_ste
                     if restarts >= faults.max_learner_restarts:
                         raise err
                     restarts += 1
-                    report(f"learner lost after step {reached[0]} ({type(err).__name__}: {err}); restart "
-                           f"{restarts} of {faults.max_learner_restarts}")
+                    report(f"learner lost after step {reached[0]} ({brief(err)}); restart {restarts} of "
+                           f"{faults.max_learner_restarts}")
                     try:
                         state = restore_learner(pipe, run_dir)
                         break
@@ -244,7 +244,8 @@ def kill_actor(actor, how: str) -> str:
 class ChaosMonkey(BackgroundLoop):
     """Kills one actor every `cfg.kill_every` seconds (wall time), the kinds of `cfg.kill` in turn (engine,
     scheduler, verifier, learner rank), to rehearse recovery. Only engines that have joined the pool are victims,
-    so with one engine each replacement serves before the next kill. `kills` counts the kills per kind."""
+    so with one engine each replacement serves before the next kill. `kills` counts the kills per kind, and each
+    kill is journaled as fault/chaos_kills_<kind>."""
 
     def __init__(self, pipe, cfg):
         self.pipe, self.cfg = pipe, cfg
@@ -261,6 +262,7 @@ class ChaosMonkey(BackgroundLoop):
         turn = 0
         while not self._stop.wait(self.cfg.kill_every):
             kind = self.cfg.kill[turn % len(self.cfg.kill)]
+            turn += 1  # the next kind next time, even if this one is found dead already (being replaced)
             victims = self.victims(kind)
             if not victims:
                 continue
@@ -270,8 +272,7 @@ class ChaosMonkey(BackgroundLoop):
             try:
                 done = kill_actor(victim, how)
             except Exception as err:  # noqa: BLE001 - it died some other way meanwhile
-                report(f"chaos: could not kill a {kind}: {type(err).__name__}: {err}")
+                report(f"chaos: could not kill a {kind}: {brief(err)}")
                 continue
-            turn += 1
             self.kills[kind] += 1
-            self.pipe.pool.registry.record.remote("chaos_kills", f"chaos killed a {kind} ({done})")
+            self.pipe.pool.registry.record.remote(f"chaos_kills_{kind}", f"chaos killed a {kind} ({done})")

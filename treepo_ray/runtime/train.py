@@ -15,6 +15,7 @@ waiting for the learner at the checkpoint are trained as they were grown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -101,37 +102,39 @@ def ray_gauges():
     return sink
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary."""
-    run_dir, resume_from = resolve_run(cfg)
-    # One run per run directory: a second one is refused here, before any work, naming the holder.
-    lock = RunLock(run_dir, storage.name_of(run_dir), cfg.trainer.lock_stale_s).acquire()
-    try:
-        return _run_in(cfg, run_dir, resume_from, lock)
-    finally:
-        lock.release()
-
-
-def _run_in(cfg: TrainConfig, run_dir: str, resume_from: str | None, lock: RunLock) -> dict:
+def run(cfg: TrainConfig, observe=None) -> dict:
+    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary. `observe(batch,
+    metrics)`, if given, sees every trained step (the chaos benchmark compares runs with it)."""
     started = time.time()
+    from treepo_ray.runtime.pipeline import Pipeline
+
+    run_dir, resume_from = resolve_run(cfg)
+    with contextlib.ExitStack() as cleanup:
+        # One run per run directory: a second one is refused here, before any work, naming the holder.
+        lock = RunLock(run_dir, storage.name_of(run_dir), cfg.trainer.lock_stale_s).acquire()
+        cleanup.callback(lock.release)
+        job = set_up(cfg)
+        pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+        cleanup.callback(pipe.shutdown)
+        return _train(cfg, job, pipe, run_dir, resume_from, lock, observe, started)
+
+
+def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | None, lock: RunLock, observe,
+           started: float) -> dict:
     from tqdm import tqdm
 
     from treepo_ray.job.logs import RunLogger
     from treepo_ray.learner import checkpoint_dir
-    from treepo_ray.runtime.pipeline import Pipeline
     from treepo_ray.runtime.recovery import resume_point, save_checkpoint_or_report, train_with_recovery
 
-    job = set_up(cfg)
     test_set = job.test_set
     tr = cfg.trainer
     eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
                      samples=tr.eval_samples, temperature=tr.eval_temperature)
     eval_method = (f"pass@1, mean of {tr.eval_samples} samples per problem at temperature {tr.eval_temperature}"
                    if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
-
     record = RunRecord.load_or_create(run_dir)
     logs = LogMirror(run_dir, cfg.model.cache_dir)  # the logger's folder (a local copy when run_dir is a URI)
-    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
     state, queued = TrainerState(seed=tr.seed), []
     if resume_from is not None:
         logs.download()
@@ -188,6 +191,8 @@ def _run_in(cfg: TrainConfig, run_dir: str, resume_from: str | None, lock: RunLo
         if lock.lost:  # another run took the run directory over (this one looked dead): stop before writing more
             raise RuntimeError(lock.lost)
         step = batch.step + 1
+        if observe is not None:
+            observe(batch, metrics)
         for key, value in metrics.items():
             if key.startswith("fault/"):
                 faults[key] = faults.get(key, 0.0) + value
