@@ -52,21 +52,23 @@ def test_a_learner_lost_with_its_node_is_restored_on_another_from_the_shared_che
     moved = []
 
     def observe(batch, metrics):
-        if batch.step == 2:  # step 3 is trained, its checkpoint not yet written: node b is lost, node c joins
+        if batch.step == 2 and not moved:  # step 3 trained, its checkpoint not yet written: b is lost, c joins
             add_node_in(cluster, dirs["c"], num_cpus=1, resources={"learner_node": 1})
             cluster.remove_node(node_b, allow_graceful=False)
             moved.append(batch.step)
 
     summary = run(cfg, observe)
     assert moved == [2] and summary["completed"] and summary["steps"] == 5
-    assert summary["faults"]["fault/learner_restarts"] == 1 and summary["faults"]["fault/steps_redone"] == 1
+    assert summary["faults"]["fault/learner_restarts"] == 1
     run_dir = Path(summary["run_dir"])
     assert run_dir.parent == dirs["driver"] / "runs"  # resolved once, on the driver
-    # The rebuilt learner, on node c, loaded the checkpoint of step 2 that the lost one wrote from node b: it went on
-    # from version 2 (from the base weights it would be one version behind at every later step).
+    # The rebuilt learner, on node c, loaded the newest checkpoint the lost one wrote from node b (step 2 or 3: its
+    # worker may outlive the node's raylet for a moment) and went on from that version; from the base weights every
+    # later step would be trained into a version behind its step.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [(r["step"], r["train/version"]) for r in rows if "train/version" in r]
-    assert trained == [(1, 1), (2, 2), (3, 3), (3, 3), (4, 4), (5, 5)]
+    assert all(step == version for step, version in trained) and {s for s, _ in trained} == {1, 2, 3, 4, 5}
+    assert len(trained) == 5 + summary["faults"].get("fault/steps_redone", 0)
     assert [s for s, _ in list_checkpoints(run_dir)] == [4, 5]
     # Nothing was written relative to the nodes' own working directories.
     assert not any((dirs[n] / "runs").exists() for n in ("b", "c"))

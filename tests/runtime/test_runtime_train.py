@@ -68,10 +68,20 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
 
 
 def train_process(args: list[str], log: Path) -> subprocess.Popen:
-    """`treepo-ray train ARGS` in a process of its own (its own local Ray), output to `log`."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    """`treepo-ray train ARGS` in a process of its own (its own local Ray and W&B service: this process's, which
+    WANDB_SERVICE would hand down, outlives the killed driver and keeps its run open), output to `log`."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     return subprocess.Popen([sys.executable, "-m", "treepo_ray.cli", "train", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Whatever is left of a train process's own processes (its Ray shares the driver's fate anyway)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def test_a_driver_killed_by_sigkill_resumes_the_same_step_data_position_and_wandb_run(tiny, tmp_path):
@@ -94,7 +104,7 @@ def test_a_driver_killed_by_sigkill_resumes_the_same_step_data_position_and_wand
             time.sleep(0.05)
         first.wait(timeout=60)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # whatever of its own Ray is left (it shares the driver's fate anyway)
+        kill_group(first)
     assert killed_at is not None, (tmp_path / "first.log").read_text()[-3000:]
     step, position = killed_at["step"], killed_at["data_position"]
     pending = json.loads(__import__("gzip").decompress((run / killed_at["pending"]).read_bytes()))
@@ -103,7 +113,7 @@ def test_a_driver_killed_by_sigkill_resumes_the_same_step_data_position_and_wand
     try:
         assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
     finally:
-        os.killpg(second.pid, signal.SIGKILL)
+        kill_group(second)
     out = (tmp_path / "second.log").read_text()
     assert f"its process {first.pid} on this host has exited" in out  # the dead driver's lock taken over
     assert (f"resuming {run} from checkpoint-{step:08d}: step {step}, data position {position}, then the "

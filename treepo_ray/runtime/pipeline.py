@@ -295,7 +295,8 @@ class Pipeline:
                             record["data_position"], dict(record["metrics"]), list(record["trees"]), kept)
 
     def queued_batches(self) -> list[RolloutBatch]:
-        """The batches waiting in the running train()'s queue for the learner, oldest first (a checkpoint keeps them)."""
+        """The batches waiting in the running train()'s queue for the learner, oldest first (a checkpoint keeps
+        them)."""
         if self._batches is None:
             return []
         with self._batches.mutex:

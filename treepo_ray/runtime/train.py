@@ -102,6 +102,32 @@ def ray_gauges():
     return sink
 
 
+def _sees(_actor, location: str) -> tuple[bool, str]:
+    import ray
+
+    return storage.exists(location), ray.util.get_node_ip_address()
+
+
+def check_storage_shared(run_dir: str, actors: list, timeout_s: float) -> None:
+    """Stop at once, saying why, when the run storage is not one place for every node: the driver writes a file into
+    the run directory and every actor given (the learner ranks, which write the checkpoints) must see it. A local
+    path that is not a shared mount fails here on a multi-node cluster, instead of a lost learner later restarting
+    from the base weights because its checkpoints are on another node's disk."""
+    from treepo_ray.runtime.liveness import get
+
+    probe = storage.join(run_dir, f".storage-probe-{os.getpid()}")
+    storage.write_text(probe, "")
+    try:
+        seen = get([a.__ray_call__.remote(_sees, probe) for a in actors], timeout_s, "checking the run storage")
+    finally:
+        storage.delete(probe)
+    blind = [f"learner rank {i} (node {node})" for i, (ok, node) in enumerate(seen) if not ok]
+    if blind:
+        raise RuntimeError(f"the run storage {run_dir} is not reachable from {', '.join(blind)}: every node must see "
+                           "trainer.storage_path at the same path (a shared mount: cluster/README.md) or use an "
+                           "s3:// or gs:// URI")
+
+
 def run(cfg: TrainConfig, observe=None) -> dict:
     """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary. `observe(batch,
     metrics)`, if given, sees every trained step (the chaos benchmark compares runs with it)."""
@@ -116,6 +142,7 @@ def run(cfg: TrainConfig, observe=None) -> dict:
         job = set_up(cfg)
         pipe = Pipeline(cfg, job.model_path, job.tokenizer)
         cleanup.callback(pipe.shutdown)
+        check_storage_shared(run_dir, pipe.learner.ranks, cfg.runtime.deadlines.call_s)
         return _train(cfg, job, pipe, run_dir, resume_from, lock, observe, started)
 
 
@@ -140,8 +167,9 @@ def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | No
         logs.download()
         state = TrainerState.from_dict(pipe.learner.load_checkpoint(resume_from))
         queued, position = resume_point(pipe, run_dir, state)
+        waiting = f", then the {len(queued)} batches grown before it stopped" if queued else ""
         print(f"resuming {run_dir} from {storage.name_of(resume_from)}: step {state.step}, data position "
-              f"{state.data_position}" + (f", then the {len(queued)} batches grown before it stopped" if queued else ""))
+              f"{state.data_position}{waiting}")
     start, position = state.step, (queued[-1].data_position if queued else state.data_position)
     logger = RunLogger(logs.local, cfg.log, config_io.to_dict(cfg), name=record.name, resume_step=start,
                        sinks=[ray_gauges()] if cfg.log.ray_metrics else [], run_id=record.wandb_id)
