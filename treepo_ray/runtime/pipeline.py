@@ -310,7 +310,7 @@ class Pipeline:
         """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
         events = self.pool.drain_events()
         for _, kind, detail, _ in events:
-            if kind in ("engines_lost", "engines_joined", "engines_stuck", "engine_errors") or kind.startswith("chaos"):
+            if kind.startswith(("engines_", "engine_errors", "chaos")):
                 report(detail)  # the others were logged where they happened
         return {"pool/size": float(self.pool.size), **event_metrics(events)}
 

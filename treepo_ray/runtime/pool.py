@@ -120,6 +120,7 @@ class GeneratorPool:
         self._members: dict[str, object] = {}
         self._pending: dict[str, tuple[object, object]] = {}  # id -> (actor, ObjectRef that resolves when it is up)
         self._heartbeat = Heartbeat(self.deadlines.heartbeat_s)
+        self._asked: dict[str, float] = {}  # pending engine id -> when it was asked for (until reported)
         self._weights: tuple[int, object] = (0, None)  # the version (and ObjectRef) every live engine holds
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -320,6 +321,19 @@ class GeneratorPool:
     def _spawn(self) -> None:
         actor = self.spec.start()
         self._pending[actor_id(actor)] = (actor, actor.stats.remote())
+        self._asked[actor_id(actor)] = time.monotonic()
+
+    def _report_unscheduled(self) -> None:
+        """An engine still pending after deadlines.start_s is reported once, with what it asks for: it waits for a
+        node (an autoscaler may be adding one), and the run goes on with the engines it has."""
+        now = time.monotonic()
+        for eid in self._pending:
+            asked = self._asked.get(eid)
+            if asked is not None and now - asked > self.deadlines.start_s:
+                del self._asked[eid]
+                free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+                self._event("engines_unscheduled", f"engine {eid[:8]} not started after {now - asked:.0f}s "
+                            f"(runtime.deadlines.start_s): asks {self.spec.demand()}; the cluster has free {free}")
 
     def _await_first(self, timeout_s: float) -> None:
         """Wait for every engine of the initial pool (at least one; the rest may join later)."""
@@ -344,6 +358,7 @@ class GeneratorPool:
             self._admit(wait_s)
             self._check_health()
             self._request_more()
+            self._report_unscheduled()
 
     def _admit(self, wait_s: float) -> None:
         if not self._pending:
@@ -354,6 +369,7 @@ class GeneratorPool:
         for ref in done:
             eid = ready[ref]
             actor, _ = self._pending.pop(eid)
+            self._asked.pop(eid, None)
             version, weights = self._weights
             try:
                 ray.get(ref)
