@@ -16,6 +16,7 @@ from treepo_ray import config as config_io
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
 from treepo_ray.job.rundir import (
     LOCK,
+    RunDirError,
     RunLock,
     RunLocked,
     RunRecord,
@@ -62,18 +63,26 @@ def test_a_holder_on_another_host_is_stale_only_when_its_heartbeat_is(tmp_path):
     away = {"host": "another-host", "pid": 1, "heartbeat": now - 100}
     assert stale_reason(away, 300, now) is None
     assert "last heartbeat was 400s ago" in stale_reason({**away, "heartbeat": now - 400}, 300, now)
-    lock = RunLock(str(tmp_path / "run"), "r", stale_s=0.2).acquire()  # its thread renews the heartbeat
+    lock = RunLock(str(tmp_path / "run"), "r", stale_s=1.0).acquire()  # its thread renews the heartbeat
     try:
-        first = json.loads((tmp_path / "run" / LOCK).read_text())["heartbeat"]
-        time.sleep(0.5)
-        assert json.loads((tmp_path / "run" / LOCK).read_text())["heartbeat"] > first
+        first = first_lock(tmp_path)["heartbeat"]
+        assert wait_until(lambda: first_lock(tmp_path)["heartbeat"] > first)  # renewed: a beat just happened
         # Taken over by another run (this one looked dead): the next beat notices, and says by whom.
         (tmp_path / "run" / LOCK).write_text(json.dumps({**first_lock(tmp_path), "token": "x", "run": "thief"}))
-        time.sleep(0.3)
+        assert wait_until(lambda: lock.lost)
         assert "taken over by run 'thief'" in lock.lost
     finally:
         lock.release()
-    assert (tmp_path / "run" / LOCK).exists()  # not ours any more: left alone
+    assert first_lock(tmp_path)["run"] == "thief"  # not ours any more: left alone
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def first_lock(tmp_path: Path) -> dict:
@@ -114,7 +123,7 @@ def test_resume_auto_takes_the_newest_compatible_run_and_says_why_it_passes_othe
     # An explicit run directory of another config is an error that names the difference.
     explicit = load_config(DEFAULT_CONFIG, [f"trainer.run_dir={tmp_path}/treepo-20261130-100000",
                                             "trainer.resume=auto"])
-    with pytest.raises(ValueError, match="trainer.seed: 7 -> 0"):
+    with pytest.raises(RunDirError, match="trainer.seed: 7 -> 0"):
         resolve_run(explicit)
     # Nothing to continue: a new run under storage_path, with an absolute path whatever the working directory.
     fresh, ckpt = resolve_run(load_config(DEFAULT_CONFIG, [f"trainer.storage_path={tmp_path}/other",

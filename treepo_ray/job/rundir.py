@@ -42,7 +42,11 @@ IDENTITY = ("algo", "model.path", "data", "rollout", "learner.loss", "learner.st
             "trainer.prompts_per_step")
 
 
-class RunLocked(RuntimeError):
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (a user error: one line, no traceback)."""
+
+
+class RunLocked(RunDirError):
     """The run directory is held by another live run."""
 
 
@@ -211,8 +215,8 @@ def resolve_run(cfg) -> tuple[str, str | None]:
         if ckpt is not None:
             breaking, _ = config_changes(saved_config(run_dir) or current, current)
             if breaking:
-                raise ValueError(f"trainer.resume=auto: {run_dir} was started with another config, so its "
-                                 f"checkpoint cannot continue under this one: {'; '.join(breaking)}")
+                raise RunDirError(f"trainer.resume=auto: {run_dir} was started with another config, so its "
+                                  f"checkpoint cannot continue under this one: {'; '.join(breaking)}")
         return run_dir, ckpt
     root = storage.absolute(tr.storage_path)
     for name in sorted(storage.list_names(root), reverse=True):  # names end in their start time: newest first

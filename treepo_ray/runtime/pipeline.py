@@ -80,29 +80,37 @@ class Pipeline:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.model_path = model_path
         # The generator pool replaces lost engines and grows where Ray reports room (pool.py); verifiers are
-        # retried and their failures scored as wrong (verifier.py). Both report to one registry of fault events.
+        # retried and what still fails is left out of the loss (verifier.py). Both report to one registry of faults.
         spec = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
                           rt.engine_gpus, rt.engine_resources)
         self.pool = GeneratorPool(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
                                   rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s,
                                   deadlines=rt.deadlines, max_engine_errors=rt.faults.max_engine_errors)
-        self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
-                                            self.pool.registry, rt.faults)
-        started([(f"verifier {i}", v, {"CPU": rt.verifier_cpus} if rt.verifier_cpus else {})
-                 for i, v in enumerate(self.verifiers.verifiers)], rt.deadlines.start_s)
+        self.verifiers: VerifierPool | None = None
+        self.schedulers: list = []
+        self.healers: list = []
+        self.learner: LearnerGroup | None = None
         self._sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
-        # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
-        # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
         self._catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
-        self.healers = [self._start_healer()] if self._catpo is not None and self._catpo.heal else []
-        self.schedulers = [self._start_scheduler() for _ in range(rt.num_schedulers)]
-        started([(f"scheduler {i}", a, {}) for i, a in enumerate(self.schedulers)]
-                + [("healer", a, {}) for a in self.healers], rt.deadlines.start_s)
         self._heartbeat = Heartbeat(rt.deadlines.heartbeat_s)  # of the schedulers and the healer, while growing
         self._batches: queue.Queue | None = None  # the queue of the running train() (queued_batches reads it)
-        self.learner = self.build_learner()
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
+        try:
+            self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
+                                                self.pool.registry, rt.faults)
+            started([(f"verifier {i}", v, {"CPU": rt.verifier_cpus} if rt.verifier_cpus else {})
+                     for i, v in enumerate(self.verifiers.verifiers)], rt.deadlines.start_s)
+            # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
+            # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
+            self.healers = [self._start_healer()] if self._catpo is not None and self._catpo.heal else []
+            self.schedulers = [self._start_scheduler() for _ in range(rt.num_schedulers)]
+            started([(f"scheduler {i}", a, {}) for i, a in enumerate(self.schedulers)]
+                    + [("healer", a, {}) for a in self.healers], rt.deadlines.start_s)
+            self.learner = self.build_learner()
+        except BaseException:
+            self.shutdown()  # a run that cannot start leaves no actor behind
+            raise
         self.pool.start()  # only now: growth takes free room, which the actors above needed first
 
     def build_learner(self) -> LearnerGroup:
@@ -128,7 +136,8 @@ class Pipeline:
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
         self.pool.close()  # the engines, pending ones too, and the registry
-        actors = self.verifiers.actors() + self.schedulers + self.healers + self.learner.ranks
+        actors = ((self.verifiers.actors() if self.verifiers else []) + self.schedulers + self.healers
+                  + (self.learner.ranks if self.learner else []))
         for actor in actors:
             ray.kill(actor)
 

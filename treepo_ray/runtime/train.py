@@ -28,7 +28,8 @@ from treepo_ray import config as config_io
 from treepo_ray import storage
 from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
-from treepo_ray.job.rundir import LogMirror, RunLock, RunRecord, prune_run, resolve_run, save_pending, write_config
+from treepo_ray.job.rundir import (LogMirror, RunDirError, RunLock, RunRecord, prune_run, resolve_run, save_pending,
+                                   write_config)
 from treepo_ray.job.state import TrainerState
 
 
@@ -162,15 +163,15 @@ def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | No
                    if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
     record = RunRecord.load_or_create(run_dir)
     logs = LogMirror(run_dir, cfg.model.cache_dir)  # the logger's folder (a local copy when run_dir is a URI)
-    state, queued = TrainerState(seed=tr.seed), []
+    state, queued, position = TrainerState(seed=tr.seed), [], 0
     if resume_from is not None:
         logs.download()
         state = TrainerState.from_dict(pipe.learner.load_checkpoint(resume_from))
-        queued, position = resume_point(pipe, run_dir, state)
+        queued, position = resume_point(pipe, storage.parent_of(resume_from), state)  # its pending file is beside it
         waiting = f", then the {len(queued)} batches grown before it stopped" if queued else ""
         print(f"resuming {run_dir} from {storage.name_of(resume_from)}: step {state.step}, data position "
               f"{state.data_position}{waiting}")
-    start, position = state.step, (queued[-1].data_position if queued else state.data_position)
+    start = state.step
     logger = RunLogger(logs.local, cfg.log, config_io.to_dict(cfg), name=record.name, resume_step=start,
                        sinks=[ray_gauges()] if cfg.log.ray_metrics else [], run_id=record.wandb_id)
     write_config(run_dir, config_io.to_dict(cfg))
@@ -306,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"treepo-ray train: {err}", file=sys.stderr)
         return 2
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except RunDirError as err:  # the run directory is held by a live run, or belongs to another config
+        print(f"treepo-ray train: {err}", file=sys.stderr)
+        return 2
     return 0 if summary["completed"] else 1
 
 
