@@ -213,15 +213,14 @@ class Pipeline:
     def _replace_lost(self, i: int, err: BaseException, its_healer) -> bool:
         """Scheduler `i`'s shard failed with `err`: replace what was lost (the scheduler itself, or `its_healer`,
         the healer its trees were sent to) and return True; False when nothing was lost (the error is the shard's
-        own)."""
-        dl = self.cfg.runtime.deadlines
+        own). A replacement is not waited for: one that is lost before it runs fails the shard's next call in
+        turn, and is replaced like any other."""
         if isinstance(err, RayActorError) and actor_lost(err):
             msg = f"scheduler {i} lost ({brief(err)}); a new one grows its prompts again"
             report(msg)
             self.pool.registry.record.remote("schedulers_lost", msg)
             self._heartbeat.forget(f"scheduler {i}")
             self.schedulers[i] = self._start_scheduler()
-            started([(f"scheduler {i}", self.schedulers[i], {})], dl.start_s)
             return True
         if its_healer is not None and its_healer is not self.healers[0]:
             return True  # another shard's failure replaced that healer already
@@ -232,8 +231,8 @@ class Pipeline:
             ray.kill(self.healers[0])
             self._heartbeat.forget("healer")
             self.healers = [self._start_healer()]
-            started([("healer", self.healers[0], {})], dl.start_s)
-            get([s.set_healer.remote(self.healers[0]) for s in self.schedulers], dl.call_s, "schedulers")
+            for scheduler in self.schedulers:  # before the shard it is sent again: calls run in the order sent
+                scheduler.set_healer.remote(self.healers[0])
             return True
         return False
 
