@@ -57,18 +57,20 @@ def started(actors: list[tuple[str, object, dict]], timeout_s: float) -> None:
 
 class Heartbeat:
     """Pings the actors it is shown, one ping in flight per actor. `check(actors)` returns (dead, stuck): the names
-    whose actor died, with the error, and the names whose ping has waited longer than `timeout_s`. A ping queues
-    behind a sync actor's running call, so only async or threaded actors (engines, schedulers, the healer) can be
-    judged stuck; pass timeout_s=None to look for deaths only."""
+    whose actor died, with the error, and the names whose ping has waited longer than `timeout_s` (`start_s` for an
+    actor that has never answered yet: it may still be starting). A ping queues behind a sync actor's running call,
+    so only async or threaded actors (engines, schedulers, the healer) can be judged stuck; pass timeout_s=None to
+    look for deaths only."""
 
-    def __init__(self, timeout_s: float | None):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float | None, start_s: float | None = None):
+        self.timeout_s, self.start_s = timeout_s, start_s
         self._pings: dict[str, tuple[object, float]] = {}  # name -> (ping ref, when sent)
+        self._answered: set[str] = set()  # names that answered a ping (or are known to be up)
 
     def check(self, actors: dict[str, object]) -> tuple[list[tuple[str, BaseException]], list[str]]:
         now = time.monotonic()
         for name in set(self._pings) - set(actors):
-            del self._pings[name]
+            self.forget(name)
         for name, actor in actors.items():
             if name not in self._pings:
                 self._pings[name] = (ping(actor), now)
@@ -80,12 +82,22 @@ class Heartbeat:
             del self._pings[name]
             try:
                 ray.get(ref)
+                self._answered.add(name)
             except RayActorError as err:
                 if actor_lost(err):
                     dead.append((name, err))
-        stuck = [] if self.timeout_s is None else [
-            name for name, (_, sent) in self._pings.items() if now - sent > self.timeout_s]
+        stuck = [name for name, (_, sent) in self._pings.items() if self._late(name, now - sent)]
         return dead, stuck
 
+    def _late(self, name: str, waited: float) -> bool:
+        limit = self.timeout_s if name in self._answered else self.start_s
+        return self.timeout_s is not None and limit is not None and waited > limit
+
+    def answered(self, name: str) -> None:
+        """`name` is known to be up (an engine admitted after it started): judge it by timeout_s from now on."""
+        self._answered.add(name)
+
     def forget(self, name: str) -> None:
+        """`name` is gone or replaced: a new actor under this name starts from scratch."""
         self._pings.pop(name, None)
+        self._answered.discard(name)

@@ -92,7 +92,8 @@ class Pipeline:
         self.learner: LearnerGroup | None = None
         self._sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         self._catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
-        self._heartbeat = Heartbeat(rt.deadlines.heartbeat_s)  # of the schedulers and the healer, while growing
+        # Of the schedulers and the healer, while growing; a replacement still starting is given start_s.
+        self._heartbeat = Heartbeat(rt.deadlines.heartbeat_s, rt.deadlines.start_s)
         self._batches: queue.Queue | None = None  # the queue of the running train() (queued_batches reads it)
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()

@@ -397,6 +397,7 @@ class GeneratorPool:
                 continue
             self.init_failures = 0
             self._members[eid] = actor
+            self._heartbeat.answered(eid)  # it answered `stats`: up
             self.joined += 1
             changed = True
             if self._thread is not None:  # a replacement or growth, not the initial pool
