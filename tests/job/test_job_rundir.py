@@ -1,6 +1,7 @@
 """The run directory (job/rundir.py): one live run per directory (a second is refused, naming the holder; a dead
 holder's lock is taken over), which run resume=auto continues and why it passes others over, the W&B run id kept
-across restarts, and the waiting batches kept with their checkpoint. Real processes and files, no Ray."""
+across restarts, the waiting batches kept with their checkpoint, and the logs of a run in an object store. Real
+processes and files, no Ray."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from treepo_ray import config as config_io
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
 from treepo_ray.job.rundir import (
     LOCK,
+    LogMirror,
     RunDirError,
     RunLock,
     RunLocked,
@@ -151,3 +153,16 @@ def test_the_wandb_id_and_the_waiting_batches_outlive_the_driver(tmp_path):
     prune_run(run, keep=1)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-00000004", "pending-00000004.json.gz",
                                                                     "run.json"]
+
+
+def test_logs_of_a_run_in_an_object_store_go_up_with_each_checkpoint_and_come_back_on_resume(tmp_path):
+    run = f"file://{tmp_path}/bucket/treepo-1"  # through pyarrow.fs, as s3:// and gs:// are
+    logs = LogMirror(run, str(tmp_path / "cache"))
+    assert logs.local == tmp_path / "cache" / "runs" / "treepo-1"
+    (logs.local / "metrics.jsonl").write_text('{"step": 1}\n')
+    logs.upload()
+    assert (tmp_path / "bucket/treepo-1/metrics.jsonl").read_text() == '{"step": 1}\n'
+    again = LogMirror(run, str(tmp_path / "other-node-cache"))  # a driver restarted elsewhere
+    again.download()
+    assert (again.local / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert LogMirror(str(tmp_path / "local-run"), str(tmp_path / "cache")).local == tmp_path / "local-run"
