@@ -287,8 +287,8 @@ class GeneratorPool:
         """Load one object-store copy of the weights into every engine; returns the ids of engines found dead or
         stuck (the pool manager replaces them). Any other failure is raised."""
         refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
-        end, lost = time.monotonic() + self.deadlines.call_s, []
-        for eid, ref in refs.items():
+        end, lost, error = time.monotonic() + self.deadlines.call_s, [], None
+        for eid, ref in refs.items():  # every answer is taken, even after an error (none is left unhandled)
             try:
                 get(ref, max(end - time.monotonic(), 0.0), f"engine {eid[:8]} loading weights v{version}")
             except DeadlineExceeded:
@@ -296,10 +296,13 @@ class GeneratorPool:
                 lost.append(eid)
                 self._lost(eid)
             except RayActorError as err:
-                if not actor_lost(err):
-                    raise
+                if not actor_lost(err):  # e.g. the weights' owner, a learner, died: raised once all answered
+                    error = error or err
+                    continue
                 lost.append(eid)
                 self._lost(eid)
+        if error is not None:
+            raise error
         return lost
 
     def stats(self) -> list[dict]:
