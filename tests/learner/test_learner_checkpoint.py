@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,10 @@ def test_load_refuses_optimizer_state_of_another_strategy(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_through_an_object_store_uri_commits_with_its_marker_last(tiny, tmp_path):
+def test_a_checkpoint_through_an_object_store_uri_commits_with_its_marker_last(tiny, tmp_path, monkeypatch):
     """file:// goes through pyarrow.fs like s3:// and gs:// (upload file by file, marker last, no rename)."""
+    (tmp_path / "local").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "local"))  # where staging and download folders go
     cfg = LearnerConfig(lr=1e-3, micro_batch_size=2)
     a = Learner(tiny, cfg)
     a.train_step(samples())
@@ -124,10 +127,11 @@ def test_a_checkpoint_through_an_object_store_uri_commits_with_its_marker_last(t
     where = a.save_checkpoint(checkpoint_dir(run, 1), {"step": 1})
     assert where == f"{run}/checkpoint-00000001" and latest_checkpoint(run) == where
     assert (tmp_path / "bucket/run/checkpoint-00000001/trainer_state.json").is_file()
-    assert not list(Path("/tmp").glob("treepo-checkpoint-00000001-*"))  # the local staging folder is gone
+    assert not list((tmp_path / "local").iterdir())  # the local staging folder is gone
     draw = torch.rand(2)
     b = Learner(tiny, cfg)
     assert b.load_checkpoint(where) == {"step": 1} and b.version == 1
+    assert not list((tmp_path / "local").iterdir())  # and so is the downloaded copy
     assert torch.equal(torch.rand(2), draw)
     for k, v in params(b).items():
         torch.testing.assert_close(v, dict(a.model.named_parameters())[k].detach(), atol=0, rtol=0)
@@ -161,7 +165,8 @@ learner.save_checkpoint(checkpoint_dir(sys.argv[2], 2), {"step": 2})
 @pytest.mark.parametrize("uri", [False, True], ids=["path", "uri"])
 def test_a_process_killed_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one_usable(tiny, tmp_path, uri):
     run = f"file://{tmp_path}/run" if uri else str(tmp_path / "run")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    (tmp_path / "local").mkdir()  # the killed writer's local staging folder stays here, not in /tmp
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TMPDIR": str(tmp_path / "local")}
     # A file path: killed while the optimizer state is written (weights done; RNG files and marker not yet). An
     # object store: killed after every file is uploaded but before the marker that commits them.
     where = "marker" if uri else "optimizer"
