@@ -14,6 +14,7 @@ import yaml
 
 from treepo_ray import config as config_io
 from treepo_ray.config import UserError
+from treepo_ray import storage
 from treepo_ray.algo.catpo import score_tree
 from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
 from treepo_ray.data.datasets import DataConfig
@@ -162,14 +163,53 @@ class FaultConfig:
     """One scoring call longer than this is abandoned, its verifier restarted, and the call retried."""
     learner_ping_s: float = 30.0
     """When the loop fails, a learner rank that does not answer a ping within this long counts as lost."""
+    max_engine_errors: int = 3
+    """An engine whose step raises (out of memory, a CUDA error) is killed and replaced and the call re-sent; a call
+    that makes more than this many engines fail raises the error (a fault of the request, not of the engines)."""
+    max_regrows: int = 4
+    """A shard of a batch whose scheduler (or the CATPO healer) is lost or stuck is grown again, with the same seeds,
+    on a replacement at most this many times per batch."""
+    max_verify_failed_share: float = 0.1
+    """A trajectory whose verification failed after the retries is left out of the loss (verify/failed); a step in
+    which more than this share of trajectories failed stops the run."""
 
     def __post_init__(self) -> None:
-        for name in ("max_learner_restarts", "max_resends", "verifier_retries"):
+        for name in ("max_learner_restarts", "max_resends", "verifier_retries", "max_engine_errors", "max_regrows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be >= 0")
         for name in ("engine_wait_s", "verifier_call_timeout_s", "learner_ping_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be > 0")
+        if not 0.0 <= self.max_verify_failed_share <= 1.0:
+            raise ValueError(f"runtime.faults.max_verify_failed_share = {self.max_verify_failed_share}; it must be "
+                             "in [0, 1]")
+
+
+@dataclass
+class DeadlineConfig:
+    """How long each kind of blocking call on an actor may take before it counts as hung (runtime/liveness.py)."""
+
+    start_s: float = 900.0
+    """A new actor (learner rank, verifier, scheduler, healer) must be scheduled and constructed within this; if not,
+    the run stops naming it and the resources it asked for."""
+    heartbeat_s: float = 120.0
+    """An engine, scheduler or the healer that leaves a ping unanswered this long is stuck: it is killed and replaced
+    like a dead one (its requests re-sent, its prompts grown again)."""
+    call_s: float = 300.0
+    """Control calls: member lists, counters, a checkpoint's learner pings, loading weights into one engine."""
+    generate_s: float = 1800.0
+    """One engine call (a tree's segment requests); longer, and the engine is treated as stuck."""
+    grow_s: float = 7200.0
+    """One scheduler's shard of a batch: its trees grown, verified and healed."""
+    train_step_s: float = 7200.0
+    """One learner step, and exporting the weights after it."""
+    checkpoint_s: float = 3600.0
+    """Writing or loading one checkpoint."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"runtime.deadlines.{name} = {value}; it must be > 0")
 
 
 @dataclass
@@ -191,17 +231,22 @@ class ElasticConfig:
             raise ValueError("runtime.elastic.poll_s and startup_timeout_s must be > 0")
 
 
+CHAOS_KINDS = ("engine", "scheduler", "verifier", "learner")
+
+
 @dataclass
 class ChaosConfig:
-    """Deliberate faults, to rehearse recovery by hand (off by default)."""
+    """Deliberate faults, to rehearse recovery (off by default; `treepo-ray bench chaos` turns them on)."""
 
-    kill_generator_every: float = 0.0
-    """Kill one live engine actor every this many SECONDS of wall time while training runs (0 = off). Seconds, not
-    steps: a kill then lands in the middle of a segment, where it tests the re-sending, not between batches."""
+    kill_every: float = 0.0
+    """Kill one actor every this many SECONDS of wall time while training runs (0 = off). Seconds, not steps: a
+    kill then lands in the middle of a segment, a verification or a learner step, where it tests the recovery."""
+    kill: list[str] = field(default_factory=lambda: ["engine"])
+    """The kinds of actor killed, in turn: engine, scheduler, verifier, learner."""
     how: str = "alternate"
     """'ray' (ray.kill), 'signal' (SIGKILL to the actor's process) or 'alternate' (one, then the other)."""
     seed: int = 0
-    """Seed of which engine is killed."""
+    """Seed of which actor of a kind is killed."""
     kill_learner_after_step: int = 0
     """SIGKILL learner rank 0 once, right after this training step is logged and checkpointed (0 = off): the run
     rebuilds the learner from the newest checkpoint and trains the steps after it again."""
@@ -209,10 +254,13 @@ class ChaosConfig:
     def __post_init__(self) -> None:
         if self.kill_learner_after_step < 0:
             raise ValueError(f"runtime.chaos.kill_learner_after_step = {self.kill_learner_after_step}; it must be >= 0")
-        if self.kill_generator_every < 0:
-            raise ValueError(f"runtime.chaos.kill_generator_every = {self.kill_generator_every}; it must be >= 0")
+        if self.kill_every < 0:
+            raise ValueError(f"runtime.chaos.kill_every = {self.kill_every}; it must be >= 0")
         if self.how not in KILL_MODES:
             raise ValueError(f"runtime.chaos.how = {self.how!r}; it must be one of {KILL_MODES}")
+        bad = [k for k in self.kill if k not in CHAOS_KINDS]
+        if bad or not self.kill:
+            raise ValueError(f"runtime.chaos.kill = {self.kill}; name one or more of {CHAOS_KINDS}")
 
 
 WEIGHT_PATHS = ("auto", "broadcast", "object_store")
@@ -318,6 +366,8 @@ class RuntimeConfig:
     """torch threads of each engine and learner actor."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Lost actors and bad values: learner restarts, re-sent requests, verifier retries."""
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    """How long each kind of call on an actor may take; heartbeats of engines, schedulers and the healer."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     """Generator pool size between num_engines and elastic.max_engines, following the cluster."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
@@ -343,10 +393,18 @@ class TrainerConfig:
     """Prompts whose trees make one training batch."""
     seed: int = 0
     """Seed of the prompt order and of every tree's sampling."""
+    storage_path: str = "runs"
+    """Run storage, reachable from every node: a local directory (one machine), a shared mount at the same path on
+    every node, or an s3:// / gs:// URI (pyarrow.fs). Holds the run directories; a relative path is resolved once,
+    on the driver."""
     run_dir: str = ""
-    """Run directory (metrics, trees, checkpoints, summary); empty = runs/<algo>-<timestamp>."""
+    """Run directory (metrics, trees, checkpoints, summary), a path or a URI; empty = <storage_path>/<algo>-<time>."""
     resume: str = ""
-    """'' = fresh run; 'auto' = the latest checkpoint of run_dir (or of the newest runs/<algo>-*); or a path."""
+    """'' = fresh run; 'auto' = the latest checkpoint of run_dir, or (no run_dir) of the newest run in storage_path
+    whose config is compatible (job/rundir.py: IDENTITY); or a checkpoint's path."""
+    lock_stale_s: float = 300.0
+    """A run directory's lock whose holder has not renewed it for this long (and cannot be checked: another host)
+    is taken over; a holder on this host whose process exited is taken over at once."""
     save_every: int = 50
     """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -368,8 +426,10 @@ class TrainerConfig:
         for name in ("steps", "prompts_per_step", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} = {getattr(self, name)}; it must be >= 1")
-        if self.resume not in ("", "auto") and not Path(self.resume).exists():
+        if self.resume not in ("", "auto") and not storage.exists(storage.absolute(self.resume)):
             raise ValueError(f"trainer.resume = {self.resume!r} is neither '', 'auto' nor an existing checkpoint")
+        if self.lock_stale_s <= 0:
+            raise ValueError(f"trainer.lock_stale_s = {self.lock_stale_s}; it must be > 0")
 
 
 @dataclass

@@ -83,9 +83,10 @@ class RunLogger:
     """Fans each step's metrics out to every sink; `close()` draws the training curve."""
 
     def __init__(self, run_dir: Path, cfg: LogConfig, config_dict: dict, name: str, resume_step: int = 0,
-                 sinks: list[Callable[[int, dict], None]] | None = None):
+                 sinks: list[Callable[[int, dict], None]] | None = None, run_id: str | None = None):
         """`sinks`: more places each step's finite metrics go (called with the step and the {name: value} dict;
-        a sink with a close() method is closed with the logger). log.tensorboard adds a TensorBoardSink."""
+        a sink with a close() method is closed with the logger). log.tensorboard adds a TensorBoardSink. `run_id`:
+        the W&B run id (kept in the run directory, job/rundir.py), so that a resumed run continues the same W&B run."""
         self.run_dir, self.cfg = Path(run_dir), cfg
         self.sinks = list(sinks or [])
         if cfg.tensorboard:
@@ -102,7 +103,7 @@ class RunLogger:
                 os.environ.setdefault("WANDB_MODE", "offline")
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project, name=name, dir=str(self.run_dir),
+            self._wandb = wandb.init(project=cfg.wandb_project, name=name, id=run_id, dir=str(self.run_dir),
                                      config=config_dict, resume="allow", reinit="finish_previous")
 
     def log(self, step: int, metrics: dict) -> str:

@@ -264,7 +264,7 @@ class Learner:
         them ({} elsewhere). Copies: training on does not change what was exported. Call on all ranks."""
         return self.strategy.export_weights()
 
-    def save_checkpoint(self, directory: str | Path, trainer_state: dict) -> Path:
+    def save_checkpoint(self, directory: str | Path, trainer_state: dict) -> str:
         """Write HF weights + tokenizer, optimizer state, learner and trainer state, and every rank's RNG state to
         `directory`, atomically (see checkpoint.py). Raises RuntimeError, leaving any older checkpoint intact,
         when the write fails. Call on all ranks."""

@@ -14,7 +14,9 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from treepo_ray.job.config import DeadlineConfig
 from treepo_ray.runtime.engine import limit_threads, release_placement
+from treepo_ray.runtime.liveness import get, started
 from treepo_ray.runtime.weights import WeightSync
 
 
@@ -125,22 +127,26 @@ class LearnerGroup:
     not at all (a pending group is one demand an autoscaler answers). `close()` gives the resources back."""
 
     def __init__(self, model_path: str, cfg, world_size: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 resources: dict | None = None, torch_threads: int = 1, weights: WeightSync | None = None):
+                 resources: dict | None = None, torch_threads: int = 1, weights: WeightSync | None = None,
+                 deadlines: DeadlineConfig | None = None):
         bundle = {k: float(v) for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
         self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK") if bundle \
             else None
         """Bundle i holds rank i (None when the ranks ask for no resources at all)."""
         # Ray ends the actors of a dropped group, not its placement group: that goes with the group object.
         self._release = weakref.finalize(self, release_placement, self.placement)
+        self.deadlines = dl = deadlines or DeadlineConfig()
         opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
         self.ranks = [LearnerActor.options(**opts, scheduling_strategy=self._bundle(r)).remote(r, world_size,
                                                                                               torch_threads)
                       for r in range(world_size)]
         try:
-            addr, port = ray.get(self.ranks[0].rendezvous.remote())
-            ray.get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks])
+            started([(f"learner rank {r}", rank, bundle) for r, rank in enumerate(self.ranks)], dl.start_s)
+            addr, port = get(self.ranks[0].rendezvous.remote(), dl.call_s, "learner rank 0 (rendezvous)")
+            get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks], dl.start_s,
+                "learner ranks loading the model")
         except BaseException:
-            self.close()
+            self.close()  # pending ranks too: no demand left behind for an autoscaler to chase
             raise
         self.weights = weights or WeightSync()
         """How published weights reach the engines (path, the engines' dtype); default: object store, float32."""
@@ -173,7 +179,9 @@ class LearnerGroup:
         return [r.export_weights.remote() for r in self.ranks][0]
 
     def save_checkpoint(self, directory: str, trainer_state: dict) -> str:
-        return ray.get([r.save_checkpoint.remote(directory, trainer_state) for r in self.ranks])[0]
+        refs = [r.save_checkpoint.remote(directory, trainer_state) for r in self.ranks]
+        return get(refs, self.deadlines.checkpoint_s, f"learner saving {directory}")[0]
 
     def load_checkpoint(self, directory: str) -> dict:
-        return ray.get([r.load_checkpoint.remote(directory) for r in self.ranks])[0]
+        refs = [r.load_checkpoint.remote(directory) for r in self.ranks]
+        return get(refs, self.deadlines.checkpoint_s, f"learner loading {directory}")[0]

@@ -5,25 +5,31 @@ synthetic task, TreePO; `algo.name=grpo` runs the baseline the same way. It eval
 policy on held-out problems (pass@1: the mean accuracy of trainer.eval_samples answers per problem sampled at
 trainer.eval_temperature, 4 at 1.0 by default; eval_temperature=0 decodes greedily), and writes
 `<run_dir>/summary.json`.
+
+The run directory lives in run storage (trainer.storage_path: a local or shared path, or an object store), which every
+node reaches: the learner ranks write checkpoints there, this driver lists, prunes and restores from there
+(job/rundir.py: the lock, the run record, which run `resume=auto` continues). A driver killed at any moment (even by
+SIGKILL) is resumed with `trainer.resume=auto`: the same step, data position and W&B run, and the batches that were
+waiting for the learner at the checkpoint are trained as they were grown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
-import yaml
 
 from treepo_ray import config as config_io
-from treepo_ray.config import UserError
+from treepo_ray import storage
 from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.job.config import TrainConfig, parse_config, print_config
 from treepo_ray.job.inputs import check_inputs, load_prompts, resolve_model
+from treepo_ray.job.rundir import (LogMirror, RunLock, RunRecord, prune_run, resolve_run, save_pending,
+                                   write_config)
 from treepo_ray.job.state import TrainerState
 
 
@@ -42,23 +48,6 @@ def init_ray(cfg: TrainConfig) -> None:
         ray.init(num_cpus=cfg.runtime.num_cpus or os.cpu_count(), include_dashboard=None)
 
 
-def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from (None for a fresh run)."""
-    from treepo_ray.learner import latest_checkpoint
-
-    resume, run_dir = cfg.trainer.resume, cfg.trainer.run_dir
-    if resume not in ("", "auto"):
-        ckpt = Path(resume)
-        return Path(run_dir) if run_dir else ckpt.parent, ckpt
-    if not run_dir:
-        if resume == "auto":  # the newest run of this algorithm that has a checkpoint
-            runs = sorted(Path("runs").glob(f"{cfg.algo.name}-*"), key=lambda p: p.stat().st_mtime)
-            for candidate in reversed(runs):
-                if latest_checkpoint(candidate) is not None:
-                    return candidate, latest_checkpoint(candidate)
-        run_dir = f"runs/{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(run_dir)
-    return run_dir, (latest_checkpoint(run_dir) if resume == "auto" else None)
 
 
 @dataclass
@@ -115,50 +104,79 @@ def ray_gauges(run: str, algorithm: str):
     return sink
 
 
-def save_config(cfg: TrainConfig, run_dir: Path, resume_from: Path | None, step: int) -> Path:
-    """Write this attempt's resolved config as `<run_dir>/configs/attempt-<k>.yaml` (k = 1 for the fresh start,
-    then one more per resume: earlier attempts' files are kept) and as `<run_dir>/config.yaml` (the newest, which
-    `treepo-ray train` can load again)."""
-    folder = run_dir / "configs"
-    folder.mkdir(parents=True, exist_ok=True)
-    k = 1 + sum(1 for _ in folder.glob("attempt-*.yaml"))
-    how = f"resumed from {resume_from} at step {step}" if resume_from is not None else "fresh start"
-    text = (f"# attempt {k}: {time.strftime('%Y-%m-%d %H:%M:%S')}, {how}\n"
-            + yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False))
-    path = folder / f"attempt-{k}.yaml"
-    path.write_text(text)
-    (run_dir / "config.yaml").write_text(text)
-    return path
+def _sees(_actor, location: str) -> tuple[bool, str]:
+    import ray
+
+    return storage.exists(location), ray.util.get_node_ip_address()
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary."""
+def check_storage_shared(run_dir: str, actors: list, timeout_s: float) -> None:
+    """Stop at once, saying why, when the run storage is not one place for every node: the driver writes a file into
+    the run directory and every actor given (the learner ranks, which write the checkpoints) must see it. A local
+    path that is not a shared mount fails here on a multi-node cluster, instead of a lost learner later restarting
+    from the base weights because its checkpoints are on another node's disk."""
+    from treepo_ray.runtime.liveness import get
+
+    probe = storage.join(run_dir, f".storage-probe-{os.getpid()}")
+    storage.write_text(probe, "")
+    try:
+        seen = get([a.__ray_call__.remote(_sees, probe) for a in actors], timeout_s, "checking the run storage")
+    finally:
+        storage.delete(probe)
+    blind = [f"learner rank {i} (node {node})" for i, (ok, node) in enumerate(seen) if not ok]
+    if blind:
+        raise RuntimeError(f"the run storage {run_dir} is not reachable from {', '.join(blind)}: every node must see "
+                           "trainer.storage_path at the same path (a shared mount: cluster/README.md) or use an "
+                           "s3:// or gs:// URI")
+
+
+def run(cfg: TrainConfig, observe=None) -> dict:
+    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary. `observe(batch,
+    metrics)`, if given, sees every trained step (the chaos benchmark compares runs with it)."""
     started = time.time()
+    from treepo_ray.runtime.pipeline import Pipeline
+
+    run_dir, resume_from = resolve_run(cfg)
+    with contextlib.ExitStack() as cleanup:
+        # One run per run directory: a second one is refused here, before any work, naming the holder.
+        lock = RunLock(run_dir, storage.name_of(run_dir), cfg.trainer.lock_stale_s).acquire()
+        cleanup.callback(lock.release)
+        job = set_up(cfg)
+        pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+        cleanup.callback(pipe.shutdown)
+        check_storage_shared(run_dir, pipe.learner.ranks, cfg.runtime.deadlines.call_s)
+        return _train(cfg, job, pipe, run_dir, resume_from, lock, observe, started)
+
+
+def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | None, lock: RunLock, observe,
+           started: float) -> dict:
     from tqdm import tqdm
 
     from treepo_ray.job.logs import RunLogger
-    from treepo_ray.learner import checkpoint_dir, prune_checkpoints
-    from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.recovery import save_checkpoint_or_report, train_with_recovery
+    from treepo_ray.learner import checkpoint_dir
+    from treepo_ray.runtime.recovery import resume_point, save_checkpoint_or_report, train_with_recovery
 
-    job = set_up(cfg)
-    run_dir, resume_from = resolve_run_dir(cfg)
     test_set = job.test_set
     tr = cfg.trainer
     eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
                      samples=tr.eval_samples, temperature=tr.eval_temperature)
     eval_method = (f"pass@1, mean of {tr.eval_samples} samples per problem at temperature {tr.eval_temperature}"
                    if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
-
-    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
-    state = TrainerState(seed=tr.seed)
+    record = RunRecord.load_or_create(run_dir)
+    logs = LogMirror(run_dir, cfg.model.cache_dir)  # the logger's folder (a local copy when run_dir is a URI)
+    state, queued, position = TrainerState(seed=tr.seed), [], 0
     if resume_from is not None:
-        state = TrainerState.from_dict(pipe.learner.load_checkpoint(str(resume_from)))
-        print(f"resuming {run_dir} from {resume_from.name}: step {state.step}, data position {state.data_position}")
+        logs.download()
+        state = TrainerState.from_dict(pipe.learner.load_checkpoint(resume_from))
+        queued, position = resume_point(pipe, storage.parent_of(resume_from), state)  # its pending file is beside it
+        waiting = f", then the {len(queued)} batches grown before it stopped" if queued else ""
+        print(f"resuming {run_dir} from {storage.name_of(resume_from)}: step {state.step}, data position "
+              f"{state.data_position}{waiting}")
     start = state.step
-    logger = RunLogger(run_dir, cfg.log, config_io.to_dict(cfg), name=run_dir.name, resume_step=start,
-                       sinks=[ray_gauges(run_dir.name, cfg.algo.name)] if cfg.log.ray_metrics else [])
-    save_config(cfg, run_dir, resume_from, start)
+    logger = RunLogger(logs.local, cfg.log, config_io.to_dict(cfg), name=record.name, resume_step=start,
+                       sinks=[ray_gauges(record.name, cfg.algo.name)] if cfg.log.ray_metrics else [],
+                       run_id=record.wandb_id)
+    write_config(run_dir, config_io.to_dict(cfg), resume_from, start)
     if start:  # the engines were built from the base model; bring them to the checkpoint's weights
         pipe.learner.publish(start)
         pipe.sync_weights(start)
@@ -169,7 +187,7 @@ def run(cfg: TrainConfig) -> dict:
                   f"on {len(test_set)} problems ({eval_method})")
             logger.log(0, state.base_eval)
 
-    stream = PromptStream(job.train_set, tr.seed, cfg.data.shuffle, position=state.data_position)
+    stream = PromptStream(job.train_set, tr.seed, cfg.data.shuffle, position=position)
     end = tr.steps if not tr.stop_after else min(tr.steps, start + tr.stop_after)
     bar = tqdm(total=tr.steps, initial=start, desc=f"{cfg.algo.name} train", unit="step", dynamic_ncols=True)
     pipe.eval_set, pipe.eval_args = test_set, eval_args
@@ -180,11 +198,17 @@ def run(cfg: TrainConfig) -> dict:
     def save(step: int, data_position: int) -> None:
         state.step, state.data_position = step, data_position
         state.elapsed_s = elapsed0 + time.time() - loop_start
+        # Batches already grown for the next steps are saved with the checkpoint: a resumed run trains them as they
+        # were grown instead of growing them again with newer weights. The file is written before the checkpoint
+        # that names it (a checkpoint that is not written leaves it behind, for prune_run).
+        waiting = pipe.queued_batches()
+        state.pending = save_pending(run_dir, step, [b.to_record() for b in waiting]) if waiting else None
         error = save_checkpoint_or_report(pipe.learner, checkpoint_dir(run_dir, step), state.to_dict())
         if error:  # e.g. a full disk: the previous checkpoint is intact, training goes on (counted in fault/*)
             pipe.pool.registry.record.remote("checkpoint_errors", error)
             return
-        prune_checkpoints(run_dir, tr.keep_checkpoints)
+        prune_run(run_dir, tr.keep_checkpoints)
+        logs.upload()
 
     def on_restart(restored: TrainerState, error: BaseException, redone: int) -> None:
         # trajectories and data position as of the checkpoint the learner restarts from
@@ -195,7 +219,11 @@ def run(cfg: TrainConfig) -> dict:
         bar.refresh()
 
     def on_step(batch, metrics: dict) -> bool:
+        if lock.lost:  # another run took the run directory over (this one looked dead): stop before writing more
+            raise RuntimeError(lock.lost)
         step = batch.step + 1
+        if observe is not None:
+            observe(batch, metrics)
         for key, value in metrics.items():
             if key.startswith("fault/"):
                 faults[key] = faults.get(key, 0.0) + value
@@ -210,14 +238,17 @@ def run(cfg: TrainConfig) -> dict:
             bar.write(line)
         if step == end or (tr.save_every and step % tr.save_every == 0):
             save(step, batch.data_position)
-        return True
+        return step < end
 
     try:
-        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (recovery.py).
-        done = train_with_recovery(pipe, start, end, stream, on_step, run_dir, on_restart,
+        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (recovery.py). The
+        # producer runs ahead as far as trainer.steps even when stop_after ends this invocation earlier, so that
+        # the last checkpoint keeps the batches grown for the steps after it, as an interruption would.
+        done = train_with_recovery(pipe, start, tr.steps, stream, on_step, run_dir, on_restart, queued=queued,
                                    trees_per_step=cfg.log.trees_per_step, eval_every=tr.eval_every)
     except BaseException:
         logger.close()  # W&B run and the curve of what was trained, then the error
+        logs.upload()
         raise
     finally:
         bar.close()
@@ -226,12 +257,12 @@ def run(cfg: TrainConfig) -> dict:
             faults[key] = faults.get(key, 0.0) + value
     loop_s = time.time() - loop_start
     completed = done >= tr.steps
-    summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": str(run_dir),
+    summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": run_dir,
                "max_staleness": cfg.runtime.max_staleness, "wall_time_s": time.time() - started,
                "train_time_s": elapsed0 + loop_s,
                "trajectories": state.trajectories,
                "eval_method": eval_method, "eval_problems": len(test_set),
-               "faults": faults, "pool_size": pipe.pool.size}
+               "faults": faults, "pool_size": pipe.pool.size, "wandb_run_id": record.wandb_id}
     summary["trajectories_per_s"] = state.trajectories / max(summary["train_time_s"], 1e-9)
     base = state.base_eval.get("eval/accuracy")
     summary["base_accuracy"] = base
@@ -244,7 +275,8 @@ def run(cfg: TrainConfig) -> dict:
     logger.summary({f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     curve = logger.close()
     summary["training_curve"] = str(curve) if curve else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (logs.local / "summary.json").write_text(json.dumps(summary, indent=2))
+    logs.upload()
     print(format_summary(summary))
     return summary
 
@@ -268,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = parse_config(argv, "train")
     print_config(cfg)
-    summary = run(cfg)
+    summary = run(cfg)  # a run directory held by a live run, or of another config, is a UserError (RunDirError)
     return 0 if summary["completed"] else 1
 
 
