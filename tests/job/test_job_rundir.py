@@ -104,7 +104,7 @@ def test_identity_settings_break_a_resume_and_the_rest_may_change():
 def fake_run(root: Path, name: str, overrides=(), checkpoint=True) -> str:
     run = root / name
     run.mkdir(parents=True)
-    write_config(str(run), config_io.to_dict(load_config(DEFAULT_CONFIG, list(overrides))))
+    write_config(str(run), config_io.to_dict(load_config(DEFAULT_CONFIG, list(overrides))), None, 0)
     if checkpoint:
         (run / "checkpoint-00000004").mkdir()
         (run / "checkpoint-00000004" / "trainer_state.json").write_text("{}")
