@@ -12,7 +12,7 @@ from pathlib import Path
 
 from treepo_ray import config as config_io
 from treepo_ray.algo.catpo import score_tree
-from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
+from treepo_ray.algo.credit import ALGORITHMS, tree_advantages, tree_credit
 from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.job.logs import LogConfig
@@ -62,13 +62,13 @@ class CatpoConfig:
 # Each algorithm's own policy loss (its paper's setting), applied under anything a YAML file or the command line
 # sets in learner.loss (see load_config). GRPO: Shao et al. 2024 (PPO clip, per-sequence mean,
 # KL to the reference); DAPO: Yu et al. 2025 (clip-higher, token-level mean, no KL), which TreePO adopts;
-# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B).
+# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B), each node once (CATPO eq. 7: node-mean).
 _PPO_KL = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"}
 _DAPO = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0}
 LOSS_PRESETS = {
     "grpo": {**_PPO_KL, "aggregation": "seq-mean"},
     "dapo": _DAPO, "treepo": _DAPO, "treepo_flat": _DAPO,
-    "treerpo": _PPO_KL, "catpo": _PPO_KL,
+    "treerpo": {**_PPO_KL, "aggregation": "node-mean"}, "catpo": {**_PPO_KL, "aggregation": "node-mean"},
 }
 
 DYNAMIC_SAMPLING_BY_DEFAULT = ("dapo", "treepo", "treepo_flat")
@@ -130,9 +130,16 @@ class AlgoConfig:
 
     def advantages(self, trees: list) -> list:
         """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py)."""
-        return tree_advantages(trees, self.name, treepo_weighting=self.treepo_weighting,
-                               whiten_by_tokens=self.whiten_by_tokens, grpo_scale=self.grpo_scale,
-                               treerpo_prune_range=self.treerpo_prune_range)
+        return tree_advantages(trees, self.name, **self._credit_settings())
+
+    def credit(self, trees: list) -> list:
+        """Each tree's credit as the learner takes it: trajectory advantages, and per-node ones for TreeRPO and
+        CATPO (algo/credit.py: tree_credit)."""
+        return tree_credit(trees, self.name, **self._credit_settings())
+
+    def _credit_settings(self) -> dict:
+        return dict(treepo_weighting=self.treepo_weighting, whiten_by_tokens=self.whiten_by_tokens,
+                    grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range)
 
 
 # ---------------------------------------------------------------------------------------------- runtime

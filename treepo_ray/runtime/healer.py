@@ -69,7 +69,7 @@ class HealerActor:
             return results
 
         def logprobs(prefix_ids, token_ids):
-            return self._call(key, "score", prefix_ids, token_ids)
+            return self._call(key, "score", prefix_ids, token_ids, self.cfg.logprob_temperature or 1.0)
 
         tokenizer = self._tokenizer()
 
@@ -87,9 +87,12 @@ class HealerActor:
         return tree, result
 
 
-def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int):
-    """The healer actor of a CATPO run; grafts are cut to the tree's step length unless healing sets its own."""
+def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int, temperature: float = 1.0):
+    """The healer actor of a CATPO run; grafts are cut to the tree's step length and scored at the tree's sampling
+    temperature unless healing sets its own."""
     healing = cfg.healing if cfg.healing.step_len else dataclasses.replace(cfg.healing, step_len=step_len)
+    if not healing.logprob_temperature:
+        healing = dataclasses.replace(healing, logprob_temperature=temperature)
     return HealerActor.options(num_cpus=0, max_concurrency=cfg.heal_concurrency).remote(
         pool, verifiers, model_path, healing)
 

@@ -6,7 +6,8 @@
 With max_staleness = s the producer may run up to s batches ahead of the learner: while the learner trains on
 batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
 synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
-samples; weights travel as one ObjectRef (one object-store copy) to every engine.
+scored trees (learner/batch.py: TrainTree, with their credit and the engines' sampled log-probs); weights travel
+as one ObjectRef (one object-store copy) to every engine.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.job.config import TrainConfig
-from treepo_ray.learner.batch import samples_from_trees
+from treepo_ray.learner.batch import train_trees
 from treepo_ray.runtime.healer import make_healer
 from treepo_ray.runtime.learner import LearnerGroup
 from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
@@ -47,9 +48,9 @@ class RolloutBatch:
     version: int
     """Weights version (training steps done) the generators ran while growing it."""
     samples: object
-    """ObjectRef of list[TrainSample] in the object store."""
+    """ObjectRef of the batch's list[TrainTree] in the object store."""
     num_samples: int
-    """Samples in the batch (0: every prompt was filtered out; the step trains on nothing)."""
+    """Trees in the batch (0: every prompt was filtered out; the step trains on nothing)."""
     data_position: int
     """Prompts of the training stream consumed once this batch is trained on (saved in checkpoints)."""
     metrics: dict = field(default_factory=dict)
@@ -76,7 +77,8 @@ class Pipeline:
         # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
         # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
         catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
-        self.healers = ([make_healer(self.pool, self.verifiers, model_path, catpo, cfg.sampler_config.step_len)]
+        self.healers = ([make_healer(self.pool, self.verifiers, model_path, catpo, cfg.sampler_config.step_len,
+                                     cfg.rollout.temperature)]
                         if catpo is not None and catpo.heal else [])
         # Schedulers mostly wait on engines and verifiers, so they reserve no CPU. They hold the tree state, so they
         # live on the driver's node (same failure domain), never on a spot generator node that can vanish.
@@ -149,7 +151,7 @@ class Pipeline:
         t_grow = time.perf_counter()
         # CATPO phase 4 (phases 2-3 ran in the schedulers): each tree's advantages scaled by w(T) = F / mean F.
         weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
-        samples = samples_from_trees(kept, algo.advantages(kept), weights)
+        samples = train_trees(kept, algo.credit(kept), weights)
         t_credit = time.perf_counter()
 
         metrics = tree_metrics(grown, algo.correct_threshold)
