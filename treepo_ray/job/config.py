@@ -12,7 +12,7 @@ from pathlib import Path
 
 from treepo_ray import config as config_io
 from treepo_ray.algo.catpo import score_tree
-from treepo_ray.algo.credit import ALGORITHMS, tree_advantages, tree_credit
+from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, tree_advantages, tree_credit
 from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.job.logs import LogConfig
@@ -391,7 +391,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly."""
     args = config_io.read_file_overrides(TrainConfig, path) + list(overrides or [])
     cfg = config_io.load(TrainConfig, None, args)
-    if not cfg.algo.loss_preset:
-        return cfg
-    preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
-    return config_io.load(TrainConfig, None, preset + args)
+    if cfg.algo.loss_preset:
+        preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+        cfg = config_io.load(TrainConfig, None, preset + args)
+    if cfg.learner.loss.aggregation == "node-mean" and cfg.algo.name not in PER_NODE:
+        raise ValueError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
+                         f"{PER_NODE}), not algo.name = {cfg.algo.name!r}")
+    return cfg

@@ -202,8 +202,9 @@ class Learner:
         cfg = self.cfg
         indices = self._trees(batch)
         self._check_behaviour(indices)
-        trees, seqs, tokens = self.strategy.all_reduce(
-            [len(indices), sum(len(ix.paths) for ix in indices), sum(ix.tokens for ix in indices)])
+        trees, seqs, tokens, unique = self.strategy.all_reduce(
+            [len(indices), sum(len(ix.paths) for ix in indices), packing.denominators(indices)[0],
+             sum(ix.tokens for ix in indices)])
         if seqs == 0:
             raise ValueError("train_step got no trees on any rank")
         old = self.node_logprobs(indices) if cfg.recompute_pass else None
@@ -224,7 +225,8 @@ class Learner:
                     totals[k] = max(totals.get(k, v), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         metrics = {k: v if k == "is_weight_max" else v / max(steps, 1) for k, v in totals.items()}
         metrics.update(lr=self.optimizer.param_groups[0]["lr"], tokens=float(tokens), samples=float(seqs),
-                       trees=float(trees), steps=float(steps - skipped), skipped=float(skipped),
+                       trees=float(trees), unique_tokens=float(unique), steps=float(steps - skipped),
+                       skipped=float(skipped),
                        version=float(self.version), recomputed=float(old is not None),
                        time_s=time.perf_counter() - started)
         return metrics
@@ -288,7 +290,8 @@ class Learner:
         weights = [packing.loss_weights(ix, cfg.loss.aggregation, denoms) for ix in indices]
         behaviour = ([[np.asarray(lp, dtype=np.float64) for lp in ix.tree.logprobs] for ix in indices]
                      if off_policy != "recompute" or all(ix.tree.logprobs is not None for ix in indices) else None)
-        sums = dict.fromkeys(TREE_FIGURES + ("is_count", "is_weight_sum", "is_capped", "rollout_kl"), 0.0)
+        sums = dict.fromkeys(TREE_FIGURES + ("is_count", "is_weight_sum", "is_capped", "rollout_kl",
+                                             "forward_tokens"), 0.0)
         is_max = 0.0
         batches = list(self._micro_batches(indices, weights))
         for k, mb in enumerate(batches):
@@ -325,6 +328,7 @@ class Learner:
                 continue
             count = mb.weights[:, packing.COUNT].to(logp.dtype)
             stats = {**figs}
+            sums["forward_tokens"] += mb.forward_tokens
             if behav is not None:
                 stats.update(is_count=count.sum(), is_weight_sum=(count * iw).sum(), is_capped=(count * capped).sum(),
                              rollout_kl=(count * (torch.exp(behav - prox) - 1 - (behav - prox))).sum())
@@ -335,7 +339,7 @@ class Learner:
         names = list(sums)
         totals = dict(zip(names, self.strategy.all_reduce([sums[n] for n in names])))
         is_max = self.strategy.all_reduce([is_max], op="max")[0]
-        out = {k: totals[k] for k in LOSS_FIGURES}
+        out = {k: totals[k] for k in LOSS_FIGURES + ("forward_tokens",)}
         out.update({k: totals[k] / max(totals["count"], 1.0) for k in TOKEN_FIGURES})
         if totals["is_count"] > 0:
             n = totals["is_count"]

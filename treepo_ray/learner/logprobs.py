@@ -46,8 +46,9 @@ class ChunkedLogprobs(torch.autograd.Function):
                 z = _logits(hidden[s:s + chunk], weight, bias, temperature)
                 lse[s:s + chunk] = l = torch.logsumexp(z, dim=-1)
                 logp_t[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None])[:, 0] - l
-                # H = lse - sum_v p_v z_v
-                entropy[s:s + chunk] = l - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+                # H = -sum_v p_v log p_v, with log p = z - lse (in place: one more [chunk, V] buffer, p)
+                logp = z.sub_(l[:, None])
+                entropy[s:s + chunk] = -(logp.exp() * logp).sum(dim=-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp_t, entropy
@@ -66,13 +67,15 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_entropy = torch.zeros_like(lse)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            z = _logits(h, weight, bias, T)
-            logp = z - lse[s:s + chunk, None]
-            p = logp.exp()
-            # d logp_t / dz = onehot - p;  d H / dz_v = -p_v (log p_v + H)
-            g = -p * (grad_logp[s:s + chunk, None] + grad_entropy[s:s + chunk, None] * (logp + entropy[s:s + chunk, None]))
-            g.scatter_add_(-1, targets[s:s + chunk, None], grad_logp[s:s + chunk, None])
-            g = g / T  # z = logits / T
+            gl, ge = grad_logp[s:s + chunk, None], grad_entropy[s:s + chunk, None]
+            # d logp_t / dz = onehot - p;  d H / dz_v = -p_v (log p_v + H). In place: two [chunk, V] buffers.
+            g = _logits(h, weight, bias, T).sub_(lse[s:s + chunk, None])  # log p
+            p = g.exp()
+            g.add_(entropy[s:s + chunk, None]).mul_(ge).add_(gl).mul_(p).neg_()
+            del p
+            g.scatter_add_(-1, targets[s:s + chunk, None], gl)
+            if T != 1.0:
+                g.div_(T)  # z = logits / T
             if need_h:
                 grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:

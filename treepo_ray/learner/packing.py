@@ -182,14 +182,14 @@ def loss_weights(ix: TreeIndex, aggregation: str, denoms: list[float]) -> TreeWe
 
 @dataclass
 class Piece:
-    """Part of one tree in a packed micro-batch: `owned` nodes (trained here, depth first), below the context
-    chain `context` (root first; computed again, not trained)."""
+    """Part of one tree in a packed micro-batch: `nodes` (depth first, root first, every node's ancestors
+    included) of which `owned` are trained here; the others are context, computed again but not trained."""
 
     tree: int
-    context: list[int]
-    owned: list[int]
+    nodes: list[int]
+    owned: set[int]
     tokens: int
-    """Forward tokens: context plus owned."""
+    """Forward tokens: the prompt and the segments of `nodes`."""
 
 
 def split_tree(ix: TreeIndex, tree: int, budget: int) -> list[Piece]:
@@ -199,12 +199,15 @@ def split_tree(ix: TreeIndex, tree: int, budget: int) -> list[Piece]:
     fit is split the same way. A single path longer than the budget still makes a piece (of one node)."""
     pieces: list[Piece] = []
 
+    def emit(top: int, owned: list[int]) -> None:
+        nodes = ix.ancestors(top) + owned
+        pieces.append(Piece(tree, nodes, set(owned), sum(ix.length[n] for n in nodes)))
+
     def place(top: int) -> None:
-        ctx = ix.ctx[top]
-        if ctx + ix.subtree[top] <= budget or not ix.children[top]:
-            pieces.append(Piece(tree, ix.ancestors(top), ix.subtree_nodes(top), ctx + ix.subtree[top]))
+        if ix.ctx[top] + ix.subtree[top] <= budget or not ix.children[top]:
+            emit(top, ix.subtree_nodes(top))
             return
-        room = budget - ctx - ix.length[top]
+        room = budget - ix.ctx[top] - ix.length[top]
         keep, rest = [], []
         for c in ix.children[top]:
             if ix.subtree[c] <= room:
@@ -212,10 +215,8 @@ def split_tree(ix: TreeIndex, tree: int, budget: int) -> list[Piece]:
                 room -= ix.subtree[c]
             else:
                 rest.append(c)
-        owned = [top] + [n for c in keep for n in ix.subtree_nodes(c)]
-        if owned != [0]:  # the prompt alone trains nothing: its children's pieces carry it as context
-            pieces.append(Piece(tree, ix.ancestors(top), owned,
-                                ctx + ix.length[top] + sum(ix.subtree[c] for c in keep)))
+        if top or keep:  # the prompt alone trains nothing: its children's pieces carry it as context
+            emit(top, [top] + [n for c in keep for n in ix.subtree_nodes(c)])
         for c in rest:
             place(c)
 
@@ -223,21 +224,35 @@ def split_tree(ix: TreeIndex, tree: int, budget: int) -> list[Piece]:
     return pieces
 
 
-def fill(pieces: list[Piece], budget: int) -> list[list[Piece]]:
-    """Micro-batches of pieces, each at most `budget` forward tokens (a larger piece goes alone): first fit, in
-    order, over the micro-batches opened so far."""
-    bins: list[list[Piece]] = []
+def fill(pieces: list[Piece], indices: list[TreeIndex], budget: int) -> list[list[Piece]]:
+    """Micro-batches of at most `budget` forward tokens (a larger piece goes alone): first fit, in order, over the
+    micro-batches opened so far. Pieces of one tree in one micro-batch become one piece: their shared ancestors
+    are computed once."""
+    bins: list[dict[int, tuple[set, set]]] = []  # per micro-batch: tree -> (nodes, owned)
     loads: list[int] = []
     for p in pieces:
+        length = indices[p.tree].length
         for i, load in enumerate(loads):
-            if load + p.tokens <= budget:
-                bins[i].append(p)
-                loads[i] += p.tokens
+            have = bins[i].get(p.tree, (set(), set()))[0]
+            extra = sum(length[n] for n in p.nodes if n not in have)
+            if load + extra <= budget:
+                nodes, owned = bins[i].setdefault(p.tree, (set(), set()))
+                nodes.update(p.nodes)
+                owned.update(p.owned)
+                loads[i] += extra
                 break
         else:
-            bins.append([p])
+            bins.append({p.tree: (set(p.nodes), set(p.owned))})
             loads.append(p.tokens)
-    return bins
+    out = []
+    for b in bins:
+        merged = []
+        for t, (nodes, owned) in b.items():
+            ix = indices[t]
+            order = [n for n in ix.dfs if n in nodes]  # nodes are closed under ancestors: a valid DFS order
+            merged.append(Piece(t, order, owned, sum(ix.length[n] for n in order)))
+        out.append(merged)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- micro-batches
@@ -309,9 +324,8 @@ def packed_micro_batch(pieces: list[Piece], indices: list[TreeIndex], weights: l
         tree = ix.tree
         end: dict[int, int] = {}
         block_of: dict[int, int] = {}
-        owned = set(piece.owned)
-        in_context = set(piece.context)
-        for node in piece.context + piece.owned:
+        here = set(piece.nodes)
+        for node in piece.nodes:
             length = ix.length[node]
             toks = tree.prompt_ids if node == 0 else tree.tokens[node]
             start = len(ids)
@@ -319,18 +333,15 @@ def packed_micro_batch(pieces: list[Piece], indices: list[TreeIndex], weights: l
             pos.extend(range(ix.ctx[node], ix.ctx[node] + length))
             end[node] = start + length - 1
             par = tree.parent[node]
-            if par < 0:
-                blocks.append(Block(start, length, -1))
+            # A node continues its parent's attention block when it is that parent's only child here (depth first,
+            # it then follows the parent directly): chains become one block.
+            if par >= 0 and sum(c in here for c in ix.children[par]) == 1:
+                block_of[node] = block_of[par]
+                blocks[block_of[node]].length += length
             else:
-                # A node continues its parent's attention block when it is that parent's only child here (depth
-                # first, it then follows the parent directly): chains become one block.
-                kids = 1 if par in in_context else sum(c in owned for c in ix.children[par])
-                if kids == 1:
-                    blocks[block_of[par]].length += length
-                else:
-                    blocks.append(Block(start, length, block_of[par]))
-            block_of[node] = len(blocks) - 1 if par < 0 or kids != 1 else block_of[par]
-            if node in owned and node > 0:
+                blocks.append(Block(start, length, -1 if par < 0 else block_of[par]))
+                block_of[node] = len(blocks) - 1
+            if node in piece.owned and node > 0:
                 src.append(end[par])
                 src.extend(range(start, start + length - 1))
                 tgt.extend(toks)
@@ -401,6 +412,6 @@ def plan(indices: list[TreeIndex], packing: str, micro_batch_tokens: int, micro_
     """The micro-batches of one mini-batch on this rank: lists of Pieces (tree) or of Rows (none)."""
     if packing == "tree":
         pieces = [p for t, ix in enumerate(indices) for p in split_tree(ix, t, micro_batch_tokens)]
-        return fill(pieces, micro_batch_tokens)
+        return fill(pieces, indices, micro_batch_tokens)
     rows = [Row(t, k) for t, ix in enumerate(indices) for k in range(len(ix.paths))]
     return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
