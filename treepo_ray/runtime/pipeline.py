@@ -57,6 +57,10 @@ class RolloutBatch:
     trees: list[dict] = field(default_factory=list)
     """A few of the batch's trees with decoded texts, for trees.jsonl."""
 
+    def fetch(self) -> list:
+        """The batch's TrainTrees, from the object store."""
+        return ray.get(self.samples)
+
 
 class Pipeline:
     """The actors of one run (generator pool, schedulers, verifiers, learner group) and the loop over them."""
