@@ -57,11 +57,12 @@ def prepare_model(model: PreTrainedModel, logprob_chunk: int) -> PreTrainedModel
 
 
 def micro_batch_logprobs(module: torch.nn.Module, model: PreTrainedModel, mb: packing.MicroBatch,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of every scored token of `mb` ([N] each, float32) at `temperature`. `module` is what
-    runs the forward (the model, or a DeepSpeed engine around it), `model` the prepared HF model inside it."""
+                         temperature: float = 1.0, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy (zeros unless `entropy`) of every scored token of `mb` ([N] each, float32) at
+    `temperature`. `module` is what runs the forward (the model, or a DeepSpeed engine around it), `model` the
+    prepared HF model inside it."""
     head: LogprobHead = model.get_output_embeddings()
-    with head.targets(mb.targets, temperature):
+    with head.targets(mb.targets, temperature, entropy):
         if mb.layout is not None:
             # A dict of masks stops transformers from building one: the tree layout says who attends to whom.
             out = module(input_ids=mb.input_ids, position_ids=mb.position_ids,
@@ -137,10 +138,10 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, module: torch.nn.Module, model: PreTrainedModel,
-                 mb: packing.MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, module: torch.nn.Module, model: PreTrainedModel, mb: packing.MicroBatch,
+                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         with self.strategy.autocast():
-            return micro_batch_logprobs(module, model, mb, self.cfg.temperature)
+            return micro_batch_logprobs(module, model, mb, self.cfg.temperature, entropy)
 
     def _micro_batches(self, indices: list[packing.TreeIndex], weights: list[packing.TreeWeights]):
         """This rank's micro-batches, then dummy ones (None) up to the largest count on any rank."""
@@ -299,7 +300,7 @@ class Learner:
             mb_indices, mb_weights = indices, weights
             if dummy:
                 mb_indices, mb_weights, mb = self._dummy()
-            logp, entropy = self._forward(self.strategy.train_module, self.model, mb)
+            logp, entropy = self._forward(self.strategy.train_module, self.model, mb, entropy=True)
             if dummy:
                 prox = logp.detach()
                 behav = None

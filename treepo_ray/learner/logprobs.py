@@ -37,7 +37,7 @@ class ChunkedLogprobs(torch.autograd.Function):
     chunk by chunk; backward recomputes each chunk's logits (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool = True):
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 when given float64
         logp_t, entropy, lse = (hidden.new_empty(n, dtype=dtype) for _ in range(3))
@@ -46,11 +46,15 @@ class ChunkedLogprobs(torch.autograd.Function):
                 z = _logits(hidden[s:s + chunk], weight, bias, temperature)
                 lse[s:s + chunk] = l = torch.logsumexp(z, dim=-1)
                 logp_t[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None])[:, 0] - l
-                # H = -sum_v p_v log p_v, with log p = z - lse (in place: one more [chunk, V] buffer, p)
-                logp = z.sub_(l[:, None])
-                entropy[s:s + chunk] = -(logp.exp() * logp).sum(dim=-1)
+                if with_entropy:
+                    # H = -sum_v p_v log p_v, with log p = z - lse (in place: one more [chunk, V] buffer, p)
+                    logp = z.sub_(l[:, None])
+                    entropy[s:s + chunk] = -(logp.exp() * logp).sum(dim=-1)
+        if not with_entropy:
+            entropy.zero_()
+            ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         return logp_t, entropy
 
     @staticmethod
@@ -63,7 +67,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=lse.dtype) if need_b and bias is not None else None
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
-        if grad_entropy is None:
+        if grad_entropy is None or not ctx.with_entropy:
             grad_entropy = torch.zeros_like(lse)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
@@ -84,7 +88,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_b += g.sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -94,17 +98,20 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, te
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     bias: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each row's target, entropy of each row), float32, [N] each, for `hidden` [N, H]."""
+                     bias: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
+                     entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each row's target, entropy of each row), float32, [N] each, for `hidden` [N, H]; with
+    `entropy` False the entropy is not computed (zeros, no gradient)."""
     if chunk < 1:
         raise ValueError(f"chunk = {chunk}; it must be >= 1")
-    return ChunkedLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk))
+    return ChunkedLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk), bool(entropy))
 
 
 @dataclass
 class _Request:
     targets: torch.Tensor
     temperature: float
+    entropy: bool
 
 
 class LogprobHead(torch.nn.Linear):
@@ -128,10 +135,11 @@ class LogprobHead(torch.nn.Linear):
         return head
 
     @contextlib.contextmanager
-    def targets(self, targets: torch.Tensor, temperature: float = 1.0):
+    def targets(self, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = True):
         """Within this block the model returns per-position (log-prob of `targets`, entropy); `targets` has the
-        shape of the positions the head sees (the kept positions' leading dimensions)."""
-        self._request = _Request(targets, temperature)
+        shape of the positions the head sees (the kept positions' leading dimensions). `entropy` False skips the
+        entropy (zeros)."""
+        self._request = _Request(targets, temperature, entropy)
         try:
             yield
         finally:
@@ -146,7 +154,7 @@ class LogprobHead(torch.nn.Linear):
             raise ValueError(f"the head got positions of shape {tuple(lead)} but targets of shape "
                              f"{tuple(request.targets.shape)}")
         logp, ent = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight, request.targets.reshape(-1),
-                                     request.temperature, self.bias, self.chunk)
+                                     request.temperature, self.bias, self.chunk, request.entropy)
         return torch.stack([logp, ent], dim=-1).reshape(*lead, 2)
 
 

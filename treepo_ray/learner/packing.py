@@ -26,7 +26,7 @@ trained). `packing: none` is one padded row per trajectory, `micro_batch_size` r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -291,8 +291,6 @@ class MicroBatch:
     """Packed: the tree attention layout (tree_attention.TreeLayout)."""
     forward_tokens: int = 0
     """Tokens run through the model (packed: T; padded: real tokens, padding excluded)."""
-    node_values: dict = field(default_factory=dict)
-    """Filled by the caller: per-token float arrays aligned with the scored order (behaviour, old)."""
 
     @property
     def num_scored(self) -> int:

@@ -119,6 +119,7 @@ def build_layout(blocks: list[Block], tokens: int, mode: str, device: torch.devi
     def tree_mask(b, h, q, kv):
         return visible[block_id[q], block_id[kv]] & (kv <= q)
 
+    # Evaluated eagerly: a [T, T] boolean intermediate (256 MB at 16k tokens), once per micro-batch.
     bm = create_block_mask(tree_mask, B=None, H=None, Q_LEN=tokens, KV_LEN=tokens, device=str(device))
     return TreeLayout(mode, tokens, block_mask=bm)
 
