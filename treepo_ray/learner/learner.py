@@ -38,10 +38,10 @@ from treepo_ray.learner.tree_attention import register as register_tree_attentio
 # Figures that are loss terms (already normalised sums), and token means (count-weighted, divided by "count").
 LOSS_FIGURES = ("loss", "pg_loss", "kl", "entropy")
 TOKEN_FIGURES = ("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl")
-# Off-policy figures (token means over scored tokens with behaviour log-probs): the learner's log-probs at the
-# step's start (proximal) against the engines' (behaviour): importance weight pi_prox / pi_behav, the share above
-# learner.behaviour_cap, and a KL(behaviour || learner) estimate (k3) of the rollout/learner gap.
-BEHAVIOUR_FIGURES = ("is_weight_mean", "is_weight_capped", "rollout_kl")
+# Off-policy figures, when the trees carry behaviour log-probs (token means, is_weight_max the largest): the
+# learner's log-probs at the step's start (proximal) against the engines' (behaviour): is_weight_mean/_max of
+# pi_prox / pi_behav, is_weight_capped the share above learner.behaviour_cap, rollout_kl a k3 estimate of
+# KL(behaviour || learner), the rollout/learner gap.
 
 NodeValues = list[list[np.ndarray]]
 """Per tree, per node: one value per token (log-probs)."""
@@ -158,12 +158,13 @@ class Learner:
             return packing.packed_micro_batch(items, indices, weights, self.cfg.tree_attention, self.device)
         return packing.padded_micro_batch(items, indices, weights, self.pad_id, self.device)
 
-    def _dummy(self) -> tuple[list[packing.TreeIndex], list[packing.TreeWeights], packing.MicroBatch]:
-        """A 2-token pass with zero weight, for a rank that has run out of micro-batches (FSDP2 collectives)."""
+    def _dummy(self) -> packing.MicroBatch:
+        """A 2-token pass, for a rank that has run out of micro-batches (FSDP2's collectives run in every forward
+        and backward); its loss is multiplied by 0."""
         ix = packing.TreeIndex(TrainTree([self.pad_id], [-1, 0], [[], [self.pad_id]], [1], [0.0]))
         w = packing.loss_weights(ix, "token-mean", [1.0, 1.0, 1.0])
         items = packing.plan([ix], self.cfg.packing, self.cfg.micro_batch_tokens, 1)[0]
-        return [ix], [w], self._build(items, [ix], [w])
+        return self._build(items, [ix], [w])
 
     # ------------------------------------------------------------------ public API
 
@@ -174,10 +175,10 @@ class Learner:
     def node_logprobs(self, indices: list[packing.TreeIndex]) -> NodeValues:
         """Log-probs of every trained token of every tree under the current weights, per tree and node."""
         out: NodeValues = [[np.zeros(len(t)) for t in ix.tree.tokens] for ix in indices]
-        weights = [packing.loss_weights(ix, "token-mean", [1.0, 1.0, 1.0]) for ix in indices]  # unused here
+        weights = [packing.loss_weights(ix, "token-mean", [1.0, 1.0, 1.0]) for ix in indices]  # not used here
         for mb in self._micro_batches(indices, weights):
             if mb is None:  # this rank is done; the others still run forwards
-                self._forward(self.model, self.model, self._dummy()[2])
+                self._forward(self.model, self.model, self._dummy())
                 continue
             values = self._forward(self.model, self.model, mb)[0].double().cpu().numpy()
             for s in mb.scored:
@@ -217,7 +218,8 @@ class Learner:
             order = np.random.default_rng([cfg.seed, start_version, epoch, self.rank]).permutation(len(indices))
             for part in np.array_split(order, cfg.mini_batches):
                 part = [int(i) for i in part]
-                stats = self._optimizer_step([indices[i] for i in part], None if old is None else [old[i] for i in part])
+                stats = self._optimizer_step([indices[i] for i in part],
+                                             None if old is None else [old[i] for i in part])
                 if stats is None:
                     continue
                 steps += 1
@@ -227,8 +229,7 @@ class Learner:
         metrics = {k: v if k == "is_weight_max" else v / max(steps, 1) for k, v in totals.items()}
         metrics.update(lr=self.optimizer.param_groups[0]["lr"], tokens=float(tokens), samples=float(seqs),
                        trees=float(trees), unique_tokens=float(unique), steps=float(steps - skipped),
-                       skipped=float(skipped),
-                       version=float(self.version), recomputed=float(old is not None),
+                       skipped=float(skipped), version=float(self.version), recomputed=float(old is not None),
                        time_s=time.perf_counter() - started)
         return metrics
 
@@ -297,9 +298,8 @@ class Learner:
         batches = list(self._micro_batches(indices, weights))
         for k, mb in enumerate(batches):
             dummy = mb is None
-            mb_indices, mb_weights = indices, weights
             if dummy:
-                mb_indices, mb_weights, mb = self._dummy()
+                mb = self._dummy()
             logp, entropy = self._forward(self.strategy.train_module, self.model, mb, entropy=True)
             if dummy:
                 prox = logp.detach()
@@ -332,7 +332,7 @@ class Learner:
             sums["forward_tokens"] += mb.forward_tokens
             if behav is not None:
                 stats.update(is_count=count.sum(), is_weight_sum=(count * iw).sum(), is_capped=(count * capped).sum(),
-                             rollout_kl=(count * (torch.exp(behav - prox) - 1 - (behav - prox))).sum())
+                             rollout_kl=(count * (iw - 1 - (prox - behav))).sum())  # k3, tokens drawn from behav
                 is_max = max(is_max, float(iw.max()))
             values = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in stats.values()]).tolist()
             for name, v in zip(stats, values):
