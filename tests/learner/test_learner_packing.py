@@ -199,3 +199,29 @@ def test_attention_modes_train_alike():
     loss, grads = gradients(model, trees, "tree", "behaviour", loss_cfg, attention="sdpa")
     assert loss == pytest.approx(base_loss, rel=1e-9)
     assert_same_gradient(grads, base)
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3", "Llama"])
+def test_packed_logprobs_equal_per_path_ones_in_each_model_family(family):
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=1)
+    torch.manual_seed(0)
+    model = prepare_model(getattr(transformers, f"{family}ForCausalLM")(config).double().eval(), logprob_chunk=8)
+    trees = random_train_trees(np.random.default_rng(4), "treepo", n=2)
+    indices = [TreeIndex(t) for t in trees]
+    weights = [loss_weights(ix, "token-mean", denominators(indices)) for ix in indices]
+    per_node = {}
+    with torch.no_grad():
+        for packing in ("none", "tree"):
+            for items in plan(indices, packing, 12, 3):
+                mb = (packed_micro_batch(items, indices, weights, "gather", CPU) if packing == "tree"
+                      else padded_micro_batch(items, indices, weights, 1, CPU))
+                logp, _ = micro_batch_logprobs(model, model, mb)
+                for s in mb.scored:
+                    per_node.setdefault((s.tree, s.node), []).append(logp[s.start:s.start + s.length])
+    for runs in per_node.values():
+        for other in runs[1:]:  # every path through a node, and the packed pass, agree
+            torch.testing.assert_close(other, runs[0], rtol=1e-6, atol=1e-6)

@@ -64,9 +64,10 @@ def micro_batch_logprobs(module: torch.nn.Module, model: PreTrainedModel, mb: pa
     head: LogprobHead = model.get_output_embeddings()
     with head.targets(mb.targets, temperature, entropy):
         if mb.layout is not None:
-            # A dict of masks stops transformers from building one: the tree layout says who attends to whom.
-            out = module(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                         attention_mask={"full_attention": None, "sliding_attention": None},
+            # A ready 4D mask stops transformers from building a [T, T] one (every model family passes it through
+            # as is); the tree attention ignores it: the layout says who attends to whom.
+            placeholder = mb.input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
+            out = module(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=placeholder,
                          logits_to_keep=mb.keep, tree_layout=mb.layout, use_cache=False).logits[0]
         else:
             out = module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,

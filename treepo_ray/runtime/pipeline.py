@@ -50,7 +50,7 @@ class RolloutBatch:
     samples: object
     """ObjectRef of the batch's list[TrainTree] in the object store."""
     num_samples: int
-    """Trees in the batch (0: every prompt was filtered out; the step trains on nothing)."""
+    """Trajectories in the batch (0: every prompt was filtered out; the step trains on nothing)."""
     data_position: int
     """Prompts of the training stream consumed once this batch is trained on (saved in checkpoints)."""
     metrics: dict = field(default_factory=dict)
@@ -175,7 +175,8 @@ class Pipeline:
             "time/rollout": t_grow - t0,
             "time/credit": t_credit - t_grow,
         })
-        return RolloutBatch(step, self.pool.weights_version, ray.put(samples), len(samples), stream.position, metrics,
+        return RolloutBatch(step, self.pool.weights_version, ray.put(samples),
+                            sum(len(t.trajectories) for t in samples), stream.position, metrics,
                             [self.tree_record(t) for t in kept[:num_trees_logged]])
 
     def _engine_counters(self) -> dict:
