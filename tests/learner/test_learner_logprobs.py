@@ -53,3 +53,17 @@ def test_head_replaces_the_output_layer_keeping_the_tied_weight():
     with torch.no_grad():  # outside targets(...) it is the plain output layer
         torch.testing.assert_close(model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(
             -1, ids[0, 1:, None])[:, 0], want)
+
+
+def test_a_padded_embedding_scores_over_the_tokenizers_ids_only():
+    """The engines sample from the tokenizer's ids (padding rows masked); the learner's log-probs match."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0, :-1, :40].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    head = install_logprob_head(model, chunk=3, vocab_size=40)
+    with torch.no_grad(), head.targets(ids[:, 1:]):
+        out = model(input_ids=ids, logits_to_keep=torch.arange(4)).logits
+    torch.testing.assert_close(out[0, :, 0], want)

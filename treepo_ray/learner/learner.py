@@ -47,11 +47,12 @@ NodeValues = list[list[np.ndarray]]
 """Per tree, per node: one value per token (log-probs)."""
 
 
-def prepare_model(model: PreTrainedModel, logprob_chunk: int) -> PreTrainedModel:
+def prepare_model(model: PreTrainedModel, logprob_chunk: int, vocab_size: int | None = None) -> PreTrainedModel:
     """Make an HF causal LM the learner's: tree attention when given a layout (SDPA otherwise) and an output
-    layer that returns log-probs and entropy chunk by chunk (logprobs.py)."""
+    layer that returns log-probs and entropy chunk by chunk (logprobs.py), over the first `vocab_size` ids (the
+    tokenizer's, as the engines sample; None = all)."""
     model.set_attn_implementation(register_tree_attention())
-    install_logprob_head(model, logprob_chunk)
+    install_logprob_head(model, logprob_chunk, vocab_size)
     model.config.use_cache = False
     return model
 
@@ -93,6 +94,13 @@ class Learner:
         self.model_path, self.rank, self.world_size = Path(model_path), rank, world_size
         self.device = self.strategy.device
         torch.manual_seed(cfg.seed + rank)
+        try:  # saved with each checkpoint (rank 0) so it is a complete HF model directory
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        except (OSError, ValueError):
+            tokenizer = None
+        self.tokenizer = tokenizer if rank == 0 else None
+        # Log-probs over the tokenizer's ids, as the engines sample them (rows of a padded embedding excluded).
+        self._tokenizer_vocab = len(tokenizer) if tokenizer is not None else None
 
         self.model = self._load_model(trainable=True)
         self.ref_model = self._load_model(trainable=False) if cfg.needs_ref_model else None
@@ -101,14 +109,9 @@ class Learner:
         self.version = 0
         """Optimizer steps taken so far (the weights' version, for staleness checks by the generators)."""
         config = self.model.config
-        self.vocab_size: int = config.vocab_size
+        self.vocab_size: int = min(config.vocab_size, self._tokenizer_vocab or config.vocab_size)
+        """Token ids the learner accepts and scores (the tokenizer's; the model's if there is no tokenizer)."""
         self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
-        self.tokenizer = None
-        if rank == 0:
-            try:  # saved with each checkpoint so it is a complete HF model directory
-                self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            except (OSError, ValueError):
-                self.tokenizer = None
 
     # ------------------------------------------------------------------ setup
 
@@ -118,8 +121,10 @@ class Learner:
 
     def _load_model(self, trainable: bool) -> PreTrainedModel:
         # Master weights in float32; a lower compute dtype is applied by the strategy (autocast or its own).
-        model = prepare_model(AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32),
-                              self.cfg.logprob_chunk)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        vocab = self._tokenizer_vocab if self._tokenizer_vocab and self._tokenizer_vocab < model.config.vocab_size \
+            else None
+        prepare_model(model, self.cfg.logprob_chunk, vocab)
         if trainable and self.cfg.gradient_checkpointing:
             # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

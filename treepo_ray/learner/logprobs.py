@@ -122,16 +122,20 @@ class LogprobHead(torch.nn.Linear):
     position's target, [..., 1] the entropy, both float32 (see ChunkedLogprobs)."""
 
     chunk: int = DEFAULT_CHUNK
+    vocab_size: int | None = None
+    """Log-probs over the first vocab_size ids only (the tokenizer's, as the engines sample them: rows of a padded
+    embedding take no part); None = every row."""
     _request: _Request | None = None
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, chunk: int = DEFAULT_CHUNK) -> LogprobHead:
+    def from_linear(cls, linear: torch.nn.Linear, chunk: int = DEFAULT_CHUNK,
+                    vocab_size: int | None = None) -> LogprobHead:
         head = cls.__new__(cls)
         torch.nn.Module.__init__(head)
         head.in_features, head.out_features = linear.in_features, linear.out_features
         head.weight = linear.weight  # the same Parameter: ties to the embedding are kept
         head.bias = linear.bias
-        head.chunk = chunk
+        head.chunk, head.vocab_size = chunk, vocab_size
         return head
 
     @contextlib.contextmanager
@@ -153,19 +157,23 @@ class LogprobHead(torch.nn.Linear):
         if request.targets.shape != lead:
             raise ValueError(f"the head got positions of shape {tuple(lead)} but targets of shape "
                              f"{tuple(request.targets.shape)}")
-        logp, ent = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight, request.targets.reshape(-1),
-                                     request.temperature, self.bias, self.chunk, request.entropy)
+        rows = slice(None, self.vocab_size)
+        logp, ent = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight[rows],
+                                     request.targets.reshape(-1), request.temperature,
+                                     None if self.bias is None else self.bias[rows], self.chunk, request.entropy)
         return torch.stack([logp, ent], dim=-1).reshape(*lead, 2)
 
 
-def install_logprob_head(model: torch.nn.Module, chunk: int = DEFAULT_CHUNK) -> LogprobHead:
-    """Replace `model`'s output embedding (an HF causal LM's lm_head) with a LogprobHead sharing its weight."""
+def install_logprob_head(model: torch.nn.Module, chunk: int = DEFAULT_CHUNK,
+                         vocab_size: int | None = None) -> LogprobHead:
+    """Replace `model`'s output embedding (an HF causal LM's lm_head) with a LogprobHead sharing its weight, its
+    log-probs over the first `vocab_size` ids (None: all)."""
     linear = model.get_output_embeddings()
     if isinstance(linear, LogprobHead):
         return linear
     if type(linear) is not torch.nn.Linear:
         raise ValueError(f"the model's output layer is a {type(linear).__name__}, not a plain Linear; the learner "
                          "computes log-probs from it chunk by chunk")
-    head = LogprobHead.from_linear(linear, chunk)
+    head = LogprobHead.from_linear(linear, chunk, vocab_size)
     model.set_output_embeddings(head)
     return head

@@ -21,7 +21,9 @@ tokens follow its parent's subtree position, so every node comes after its ances
 the token's own path; attention goes to the token's ancestors and to the earlier tokens of its own node
 (tree_attention.py). Micro-batches are filled up to `micro_batch_tokens`; a tree larger than that is split into
 pieces, each a set of whole subtrees below one node plus that node's ancestors again as context (computed, not
-trained). `packing: none` is one padded row per trajectory, `micro_batch_size` rows per micro-batch.
+trained); pieces of one tree that share a micro-batch share their ancestors too, so only ancestors of pieces in
+different micro-batches are computed twice. `packing: none` is one padded row per trajectory, `micro_batch_size`
+rows per micro-batch.
 """
 
 from __future__ import annotations
