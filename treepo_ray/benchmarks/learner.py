@@ -11,6 +11,7 @@ each algorithm's own loss:
         until 16), 8 segments of --segment-len tokens after a prompt of --prompt-len (random tokens and rewards)
     c   a TreeRPO tree: N = 8 children per node, D = 3, segments of --step-len tokens (random tokens, 0/1 leaf
         rewards), trained with the per-node loss (CATPO eq. 7) and TreeRPO's KL term
+b and c have no sampled log-probs: they train with learner.off_policy = recompute (a with the job's setting).
 
 Each (config, mode) runs in a fresh process, `--rounds` times, alternating which mode goes first. A process loads
 the learner, takes the gradient of the batch's loss at the base weights, then times `--steps` train_step calls
@@ -359,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
             tree = (treepo_paper_tree(rng, args.prompt_len, args.segment_len, vocab) if name == "b"
                     else treerpo_tree(rng, args.prompt_len, args.step_len, vocab))
             trees = train_trees([tree], trees_cfg.algo.credit([tree]))
-        result["configs"][name] = r = measure(name, trees, trees_cfg.learner, model_path, args, reference=name == "c")
+            for t in trees:  # no engine sampled these tokens: no behaviour log-probs, old ones recomputed
+                t.logprobs = None
+        lcfg = trees_cfg.learner if name == "a" else dataclasses.replace(trees_cfg.learner, off_policy="recompute")
+        result["configs"][name] = r = measure(name, trees, lcfg, model_path, args, reference=name == "c")
         print(f"  {name}: token ratio {r['token_ratio']:.2f}, speed-up {r['speedup']:.2f}x, packed forward/unique "
               f"{r['packed_forward_per_unique']:.3f}, peak MB packed {r['packed']['peak_mem_mb']:.0f} / unpacked "
               f"{r['unpacked']['peak_mem_mb']:.0f}, grad rel diff {r['packed']['grad_rel_diff']:.1e}", flush=True)

@@ -33,7 +33,7 @@ def logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """(log p(target), entropy) per row of `hidden` [N, H] under softmax(hidden @ weight.T + bias) / temperature),
+    """(log p(target), entropy) per row of `hidden` [N, H] under softmax((hidden @ weight.T + bias) / temperature),
     chunk by chunk; backward recomputes each chunk's logits (see the module docstring)."""
 
     @staticmethod
