@@ -11,7 +11,7 @@ COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
     "eval": ("treepo_ray.job.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset (the train's config keys)"),
     "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling on one engine; `bench NAME ...` runs "
-                                              "another benchmark (chaos, overlap, catpo)"),
+                                              "another benchmark (chaos, overlap, catpo, learner)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
     "viz": ("treepo_ray.job.viz", "render a run's saved trees as a self-contained HTML page"),
 }
@@ -20,6 +20,7 @@ BENCHMARKS = {
     "chaos": "treepo_ray.benchmarks.chaos",
     "overlap": "treepo_ray.benchmarks.overlap",
     "catpo": "treepo_ray.benchmarks.catpo",
+    "learner": "treepo_ray.benchmarks.learner",
 }
 
 

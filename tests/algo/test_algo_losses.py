@@ -180,3 +180,47 @@ def test_bad_input_and_config():
         LossConfig(kl_estimator="k5")
     with pytest.raises(ValueError, match="clip_low"):
         LossConfig(clip_low=1.0)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean"])
+def test_tree_form_equals_the_per_sequence_definition(aggregation):
+    """tree_policy_loss with per-token weights (pos/neg = c * A, weight = c) gives policy_loss's value, figures
+    and gradient, for random ratios spanning both clip ranges and the dual clip."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)  # exact comparisons: float32 rounding would dominate the differences
+    try:
+        _tree_form_matches(aggregation)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _tree_form_matches(aggregation):
+    from treepo_ray.algo.losses import tree_policy_loss
+
+    B, T = 4, 6
+    mask = (torch.rand(B, T) > 0.3).double()
+    mask[:, 0] = 1.0
+    adv = torch.randn(B, T)
+    old = -torch.rand(B, T) * 3
+    ref = -torch.rand(B, T) * 3
+    ent = torch.rand(B, T)
+    logp = (old + torch.randn(B, T)).requires_grad_()
+    cfg = LossConfig(aggregation=aggregation, dual_clip=1.5, kl_coef=0.1, entropy_coef=0.02)
+    want, figs = policy_loss(logp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
+    g_want, = torch.autograd.grad(want, logp)
+
+    c = (1.0 / mask.sum() * torch.ones(B, T) if aggregation == "token-mean"
+         else (1.0 / (mask.sum(-1, keepdim=True) * B)).expand(B, T))
+    keep = mask.bool()
+    w = torch.stack([torch.where(adv > 0, c * adv, 0.0), torch.where(adv < 0, c * adv, 0.0), c,
+                     torch.ones(B, T), (adv > 0).double(), (adv < 0).double()], dim=-1)[keep]
+    got, sums = tree_policy_loss(logp[keep], old[keep], w, cfg, ref_logprobs=ref[keep], entropy=ent[keep])
+    g_got, = torch.autograd.grad(got, logp)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-14)
+    for key in ("pg_loss", "kl_loss", "entropy"):
+        assert float(sums[key]) == pytest.approx(figs[key], rel=1e-12)
+    n = float(sums["count"])
+    for key in ("pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl"):
+        assert float(sums[key]) / n == pytest.approx(figs[key], rel=1e-12, abs=1e-14)
+    assert figs["pg_clipfrac_below"] > 0 and figs["pg_clipfrac_above"] > 0 and figs["pg_clipfrac_lower"] > 0

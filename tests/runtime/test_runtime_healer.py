@@ -54,8 +54,10 @@ def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
         for node in grafted:
             assert tree.parent[node] == 0 and 1 <= len(tree.tokens[node]) <= 8  # cut to the step length
             assert tree.reward[node] in (0.0, 1.0)  # verified
-            # log-probs of the grafted tokens given the tree's prompt, not the critique prompt (base weights)
-            want = teacher_forced_logprobs(hf, tree.prompt_ids, tree.tokens[node], vocab_size=vocab)
+            # log-probs of the grafted tokens given the tree's prompt, not the critique prompt (base weights), at
+            # the tree's sampling temperature (the learner's behaviour log-probs)
+            want = teacher_forced_logprobs(hf, tree.prompt_ids, tree.tokens[node], vocab_size=vocab,
+                                           temperature=run.cfg.rollout.temperature)
             assert tree.logprobs[node] == pytest.approx(want, abs=1e-4)
         # the root's reward is re-propagated over all of its children, grafts included
         kids = tree.children(0)

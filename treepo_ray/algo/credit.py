@@ -8,6 +8,7 @@ a tree too (a root with G chains), so one code path serves all of them. The resu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +20,21 @@ ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 
 Advantage = float | list[float]
 """Of one trajectory: one number for its whole response, or one per response token."""
+
+PER_NODE = ("treerpo", "catpo")
+"""Algorithms whose loss counts each node once (CATPO eq. 7), from per-node advantages."""
+
+
+@dataclass
+class TreeCredit:
+    """One tree's credit, as the learner takes it."""
+
+    trajectories: list[Advantage]
+    """Every trajectory's advantage (tree_advantages): what the per-trajectory losses train on."""
+    nodes: list[float] | None = None
+    """Per-node algorithms: each node's advantage (0 for the root)."""
+    node_mask: list[bool] | None = None
+    """Per-node algorithms: the nodes that take part in the loss (TreeRPO's pruning; False for the root)."""
 
 
 def trajectory_rewards(tree: Tree) -> np.ndarray:
@@ -59,14 +75,32 @@ def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str,
     return [grpo_advantages(trajectory_rewards(tree), scale=grpo_scale).tolist() for tree in trees]
 
 
-def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float]]:
-    """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
+def tree_credit(trees: list[Tree], algorithm: str, **settings) -> list[TreeCredit]:
+    """Each tree's credit: the trajectories' advantages (tree_advantages, same settings) and, for TreeRPO and
+    CATPO, each node's advantage and whether it takes part in the per-node loss."""
+    per_trajectory = tree_advantages(trees, algorithm, **settings)
+    if algorithm not in PER_NODE:
+        return [TreeCredit(a) for a in per_trajectory]
+    out = []
+    for tree, traj in zip(trees, per_trajectory):
+        adv, mask = _treerpo_node_advantages(tree, settings["treerpo_prune_range"])
+        out.append(TreeCredit(traj, adv.tolist(), mask.tolist()))
+    return out
+
+
+def _treerpo_node_advantages(tree: Tree, prune_range: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's sibling-relative advantage and its mask (False where the sibling group is pruned)."""
     rewards = np.array(tree.reward, dtype=np.float64)
     on_path = sorted({n for p in tree.trajectory_paths() for n in p} | {0})
     if np.isnan(rewards[on_path]).any():
         raise ValueError(f"tree {tree.query_id!r}: a node on a trajectory has no propagated reward")
     rewards = np.nan_to_num(rewards, nan=0.0)  # nodes off every trajectory are never trained
-    adv, mask = treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
+    return treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
+
+
+def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float]]:
+    """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
+    adv, mask = _treerpo_node_advantages(tree, prune_range)
     node_adv = np.where(mask, adv, 0.0)
     return [[float(node_adv[n]) for n in tree.path(end) for _ in tree.tokens[n]] for end in tree.trajectories]
 

@@ -103,11 +103,11 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
     from treepo_ray.algo.informativeness import classify_tree, tree_informativeness
     from treepo_ray.algo.losses import LossConfig
     from treepo_ray.learner import Learner
-    from treepo_ray.learner.batch import samples_from_trees
+    from treepo_ray.learner.batch import train_trees
 
     algo = AlgoConfig(name="treerpo", treerpo_prune_range=cfg.algo.treerpo_prune_range)
     scores = [tree_informativeness(t) for t in trees]
-    groups = [samples_from_trees([t], algo.advantages([t])) for t in trees]  # weight 1: the unweighted TreeRPO loss
+    groups = [train_trees([t], algo.credit([t])) for t in trees]  # weight 1: the unweighted TreeRPO loss
     loss = LossConfig(clip_low=cfg.learner.loss.clip_low, clip_high=cfg.learner.loss.clip_high,
                       aggregation=cfg.learner.loss.aggregation, kl_coef=0.0, entropy_coef=0.0)
     lcfg = dataclasses.replace(cfg.learner, loss=loss, use_ref_model=False, strategy="none")

@@ -7,8 +7,9 @@ How the protocol maps onto vLLM:
   keys are always None and `release` has nothing to free);
 - `add_requests` -> `LLMEngine.add_request`, `step` -> `LLMEngine.step` (one scheduler iteration: continuous
   batching); only finished requests are returned (`RequestOutputKind.FINAL_ONLY`);
-- the log-prob of each sampled token comes from `logprobs=0` under vLLM's default `logprobs_mode="raw_logprobs"`:
-  the model's distribution at temperature 1, before top-p/top-k, as the protocol asks;
+- the log-prob of each sampled token comes from `logprobs=0` under `logprobs_mode="processed_logprobs"`: the
+  model's distribution at the sampling temperature, as the protocol asks (vLLM takes them after top-p/top-k, so
+  they equal the hf engine's only with those off, the default);
 - weights: `load_weights` reloads a state dict in place (any device), or a stream of (name, tensor) pairs consumed
   as they arrive (a broadcast's buckets: no second copy of the model on the GPU).
 
@@ -160,7 +161,8 @@ class VLLMEngine:
         quiet: lower vLLM's log level to WARNING (its INFO output is many lines per engine).
         engine_kwargs: any `vllm.EngineArgs` field (dtype, max_model_len, gpu_memory_utilization, seed, ...).
             Defaults set here: enable_prefix_caching=True, generation_config='vllm' (the model's generation
-            config must not add sampling defaults such as a repetition penalty behind the protocol's back);
+            config must not add sampling defaults such as a repetition penalty behind the protocol's back),
+            logprobs_mode='processed_logprobs' (log-probs at the sampling temperature);
             on CPU also dtype='float32' (vLLM would downcast a float32 checkpoint to bf16), enforce_eager=True
             (compiling costs minutes on a few cores), block_size=32 (the CPU attention kernel needs multiples of
             32; small blocks let more of a tree's prefixes be reused), enable_chunked_prefill=False (see below)
@@ -187,6 +189,8 @@ class VLLMEngine:
             engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
         engine_kwargs.setdefault("enable_prefix_caching", True)
         engine_kwargs.setdefault("generation_config", "vllm")
+        # Sampled tokens' log-probs at the sampling temperature: the learner's behaviour log-probs.
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         if not on_gpu:
             engine_kwargs.setdefault("dtype", "float32")
             engine_kwargs.setdefault("enforce_eager", True)

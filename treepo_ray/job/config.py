@@ -16,7 +16,7 @@ from treepo_ray import config as config_io
 from treepo_ray.config import UserError
 from treepo_ray import storage
 from treepo_ray.algo.catpo import score_tree
-from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
+from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, tree_advantages, tree_credit
 from treepo_ray.data.datasets import DataConfig
 from treepo_ray.data.evaluate import EvalConfig
 from treepo_ray.healing.critique import HealingConfig
@@ -68,13 +68,13 @@ class CatpoConfig:
 # Each algorithm's own policy loss (its paper's setting), applied under anything a YAML file or the command line
 # sets in learner.loss (see load_config). GRPO: Shao et al. 2024 (PPO clip, per-sequence mean,
 # KL to the reference); DAPO: Yu et al. 2025 (clip-higher, token-level mean, no KL), which TreePO adopts;
-# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B).
+# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B), each node once (CATPO eq. 7: node-mean).
 _PPO_KL = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"}
 _DAPO = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0}
 LOSS_PRESETS = {
     "grpo": {**_PPO_KL, "aggregation": "seq-mean"},
     "dapo": _DAPO, "treepo": _DAPO, "treepo_flat": _DAPO,
-    "treerpo": _PPO_KL, "catpo": _PPO_KL,
+    "treerpo": {**_PPO_KL, "aggregation": "node-mean"}, "catpo": {**_PPO_KL, "aggregation": "node-mean"},
 }
 
 DYNAMIC_SAMPLING_BY_DEFAULT = ("dapo", "treepo", "treepo_flat")
@@ -136,9 +136,16 @@ class AlgoConfig:
 
     def advantages(self, trees: list) -> list:
         """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py)."""
-        return tree_advantages(trees, self.name, treepo_weighting=self.treepo_weighting,
-                               whiten_by_tokens=self.whiten_by_tokens, grpo_scale=self.grpo_scale,
-                               treerpo_prune_range=self.treerpo_prune_range)
+        return tree_advantages(trees, self.name, **self._credit_settings())
+
+    def credit(self, trees: list) -> list:
+        """Each tree's credit as the learner takes it: trajectory advantages, and per-node ones for TreeRPO and
+        CATPO (algo/credit.py: tree_credit)."""
+        return tree_credit(trees, self.name, **self._credit_settings())
+
+    def _credit_settings(self) -> dict:
+        return dict(treepo_weighting=self.treepo_weighting, whiten_by_tokens=self.whiten_by_tokens,
+                    grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -476,10 +483,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     or EvalJobConfig for `treepo-ray eval`."""
     args = config_io.read_file_overrides(cls, path) + list(overrides or [])
     cfg = config_io.load(cls, None, args)
-    if not cfg.algo.loss_preset:
-        return cfg
-    preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
-    return config_io.load(cls, None, preset + args)
+    if cfg.algo.loss_preset:
+        preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+        cfg = config_io.load(cls, None, preset + args)
+    if cfg.learner.loss.aggregation == "node-mean" and cfg.algo.name not in PER_NODE:
+        raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
+                        f"{PER_NODE}), not algo.name = {cfg.algo.name!r}")
+    return cfg
 
 
 def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainConfig) -> TrainConfig:

@@ -117,12 +117,13 @@ class EngineActor:
     async def release(self, keys: list[str]) -> None:
         self.engine.release(keys)
 
-    async def score(self, prefix_ids: list[int], token_ids: list[int]) -> list[float]:
-        """Log-probs of `token_ids` after `prefix_ids` under the current weights, one teacher-forced forward run
-        between two decode steps (CATPO: the grafted branches' log-probs, given the tree's own prefix)."""
+    async def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Log-probs of `token_ids` after `prefix_ids` under the current weights at `temperature`, one
+        teacher-forced forward run between two decode steps (CATPO: the grafted branches' log-probs, given the
+        tree's own prefix, at the tree's sampling temperature)."""
         from treepo_ray.healing.logprobs import engine_logprobs
 
-        return engine_logprobs(self.engine, prefix_ids, token_ids)
+        return engine_logprobs(self.engine, prefix_ids, token_ids, temperature)
 
     async def stats(self) -> dict:
         """The engine's counters, `weights_version` (the weights it runs) among them."""

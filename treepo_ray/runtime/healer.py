@@ -71,7 +71,7 @@ class HealerActor:
             return results
 
         def logprobs(prefix_ids, token_ids):
-            return self._call(key, "score", prefix_ids, token_ids)
+            return self._call(key, "score", prefix_ids, token_ids, self.cfg.logprob_temperature or 1.0)
 
         tokenizer = self._tokenizer()
 
@@ -92,10 +92,14 @@ class HealerActor:
         return tree, result
 
 
-def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int, wait_s: float = 7200.0):
-    """The healer actor of a CATPO run; grafts are cut to the tree's step length unless healing sets its own. Like
-    the schedulers it lives on the driver's node (same failure domain); a lost one is replaced (pipeline.py)."""
+def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int, wait_s: float = 7200.0,
+                temperature: float = 1.0):
+    """The healer actor of a CATPO run; grafts are cut to the tree's step length and scored at the tree's sampling
+    temperature unless healing sets its own. Like the schedulers it lives on the driver's node (same failure
+    domain); a lost one is replaced (pipeline.py)."""
     healing = cfg.healing if cfg.healing.step_len else dataclasses.replace(cfg.healing, step_len=step_len)
+    if not healing.logprob_temperature:
+        healing = dataclasses.replace(healing, logprob_temperature=temperature)
     return HealerActor.options(num_cpus=0, max_concurrency=cfg.heal_concurrency, scheduling_strategy=on_this_node(),
                                max_restarts=0, max_task_retries=0).remote(pool, verifiers, model_path, healing, wait_s)
 

@@ -46,9 +46,12 @@ class LearnerActor:
         self.learner = Learner(model_path, cfg, self.rank, self.world_size, master_addr, master_port)
         return self.learner.version
 
-    def train_step(self, samples: list) -> dict:
-        # Each rank trains on its own interleaved shard; the Learner all-reduces gradients and metrics.
-        return self.learner.train_step(samples[self.rank::self.world_size])
+    def train_step(self, batch: list) -> dict:
+        # Each rank trains on its own share of the trees (balanced by tokens); the Learner all-reduces gradients
+        # and metrics.
+        from treepo_ray.learner import shard_trees
+
+        return self.learner.train_step(shard_trees(batch, self.rank, self.world_size))
 
     def export_weights(self) -> dict:
         return self.learner.export_weights()
@@ -171,7 +174,8 @@ class LearnerGroup:
         self.published = (version, self.weights.publish(self.ranks, version))
 
     def train_step(self, samples_ref) -> dict:
-        """Start one step on every rank (`samples_ref`: an ObjectRef of the whole batch); returns rank 0's ref."""
+        """Start one step on every rank (`samples_ref`: an ObjectRef of the whole batch, TrainTree or TrainSample
+        items); returns rank 0's ref."""
         return [r.train_step.remote(samples_ref) for r in self.ranks][0]
 
     def export_weights(self):

@@ -6,8 +6,8 @@
 With max_staleness = s the producer may run up to s batches ahead of the learner: while the learner trains on
 batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
 synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
-samples; weights travel in the engines' dtype by broadcast from learner rank 0 or as one object-store copy
-(weights.py).
+scored trees (learner/batch.py: TrainTree, with their credit and the engines' sampled log-probs); weights travel
+in the engines' dtype by broadcast from learner rank 0 or as one object-store copy (weights.py).
 
 Growing a batch survives its actors: a scheduler that is lost or stuck (runtime/liveness.py's heartbeat), or whose
 prompts failed because the CATPO healer was lost, is replaced and its prompts grown again on the new one with the
@@ -34,7 +34,7 @@ from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.job.config import TrainConfig
-from treepo_ray.learner.batch import samples_from_trees
+from treepo_ray.learner.batch import train_trees
 from treepo_ray.runtime.healer import make_healer
 from treepo_ray.runtime.learner import LearnerGroup
 from treepo_ray.runtime.liveness import DeadlineExceeded, Heartbeat, get, started
@@ -68,9 +68,9 @@ class RolloutBatch:
     version: int
     """Weights version (training steps done) the generators ran while growing it."""
     samples: object
-    """ObjectRef of list[TrainSample] in the object store."""
+    """ObjectRef of the batch's list[TrainTree] in the object store."""
     num_samples: int
-    """Samples in the batch (0: every prompt was filtered out; the step trains on nothing)."""
+    """Trajectories in the batch (0: every prompt was filtered out; the step trains on nothing)."""
     data_position: int
     """Prompts of the training stream consumed once this batch is trained on (saved in checkpoints)."""
     metrics: dict = field(default_factory=dict)
@@ -83,6 +83,10 @@ class RolloutBatch:
         """What a checkpoint keeps of a batch waiting in the queue (JSON): enough to train it after a restart."""
         return {"step": self.step, "version": self.version, "data_position": self.data_position,
                 "metrics": self.metrics, "trees": self.trees, "kept": [t.to_dict() for t in self.kept]}
+
+    def fetch(self) -> list:
+        """The batch's TrainTrees, from the object store."""
+        return ray.get(self.samples)
 
 
 class Pipeline:
@@ -155,7 +159,7 @@ class Pipeline:
 
     def _start_healer(self):
         return make_healer(self.pool, self.verifiers, self.model_path, self._catpo, self.cfg.sampler_config.step_len,
-                           self.cfg.runtime.deadlines.grow_s)
+                           self.cfg.runtime.deadlines.grow_s, self.cfg.rollout.temperature)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
@@ -291,11 +295,11 @@ class Pipeline:
             pick = np.random.default_rng([cfg.trainer.seed, step]).choice(len(kept), need, replace=False)
             kept = [kept[i] for i in sorted(pick)]
         t_grow = time.perf_counter()
-        samples, advantages, weights = self.credit(kept)
+        samples, credit, weights = self.credit(kept)
         t_credit = time.perf_counter()
 
         metrics = tree_metrics(grown, algo.correct_threshold, cfg.sampler_config.response_limit())
-        metrics.update(advantage_metrics(kept, advantages, weights))
+        metrics.update(advantage_metrics(kept, [c.trajectories for c in credit], weights))
         metrics.update(verification_metrics(grown, cfg.runtime.faults.max_verify_failed_share))
         metrics["rollout/sampled_tokens"] = float(sampled_tokens(grown))  # healing's generation included
         if algo.name == "catpo":
@@ -313,22 +317,23 @@ class Pipeline:
             "timing_s/gen": t_grow - t0,
             "timing_s/adv": t_credit - t_grow,
         })
-        return RolloutBatch(step, self.pool.weights_version, ray.put(samples), len(samples), stream.position, metrics,
+        return RolloutBatch(step, self.pool.weights_version, ray.put(samples),
+                            sum(len(t.trajectories) for t in samples), stream.position, metrics,
                             [self.tree_record(t) for t in kept[:num_trees_logged]], kept)
 
     def credit(self, kept: list[Tree]) -> tuple[list, list, list[float] | None]:
-        """The training samples of the kept trees, their advantages and, under CATPO, the tree weights they were
-        scaled by (phase 4; phases 2-3 ran in the schedulers): each tree's advantages times w(T) = F / mean F."""
+        """The learner's trees of the kept trees (learner/batch.py: TrainTree), their credit and, under CATPO, the
+        tree weights they were scaled by (phase 4; phases 2-3 ran in the schedulers): w(T) = F / mean F."""
         algo = self.cfg.algo
         weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
-        advantages = algo.advantages(kept)
-        return samples_from_trees(kept, advantages, weights), advantages, weights
+        credit = algo.credit(kept)
+        return train_trees(kept, credit, weights), credit, weights
 
     def batch_from_record(self, record: dict) -> RolloutBatch:
         """A batch saved with a checkpoint while it waited in the queue (RolloutBatch.to_record), ready to train."""
         kept = [Tree.from_dict(t) for t in record["kept"]]
         samples, _, _ = self.credit(kept)
-        return RolloutBatch(record["step"], record["version"], ray.put(samples), len(samples),
+        return RolloutBatch(record["step"], record["version"], ray.put(samples), sum(len(t.trajectories) for t in samples),
                             record["data_position"], dict(record["metrics"]), list(record["trees"]), kept)
 
     def queued_batches(self) -> list[RolloutBatch]:
