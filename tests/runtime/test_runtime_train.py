@@ -130,7 +130,7 @@ def test_a_driver_killed_by_sigkill_resumes_the_same_step_data_position_and_wand
     # Steps slower than growth (one sample per micro-batch), max_staleness 1: the next batch is usually grown and
     # waiting for the learner when a checkpoint is taken.
     args = small(tiny, f"trainer.run_dir={run}", "trainer.steps=10", "trainer.save_every=1", "trainer.keep_checkpoints=2",
-                 "runtime.max_staleness=1", "learner.micro_batch_size=1", "log.wandb=true", "log.ray_metrics=false")
+                 "runtime.max_staleness=1", "learner.packing=none", "learner.micro_batch_size=1", "log.wandb=true", "log.ray_metrics=false")
     first = train_process(args, tmp_path / "first.log")
     killed_at = None
     try:

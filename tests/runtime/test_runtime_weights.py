@@ -52,7 +52,7 @@ def test_broadcast_reaches_every_engine_and_follows_joins_and_losses(ray_local, 
         assert {s["weights_version"] for s in pool.stats()} == {1}
 
         # Rank 0 sends from a concurrency group of its own: a transfer runs while the learner trains.
-        long_step = group.train_step(ray.put(SAMPLES * 64))
+        long_step = group.train_step(ray.put(SAMPLES * 512))  # seconds, against milliseconds for the transfer
         pool.load_weights(group.published[1], 1)
         assert not ray.wait([long_step], timeout=0)[0]  # the transfer is done, the step still running
         ray.get(long_step)

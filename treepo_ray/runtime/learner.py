@@ -144,7 +144,8 @@ class LearnerGroup:
                                                                                               torch_threads)
                       for r in range(world_size)]
         try:
-            started([(f"learner rank {r}", rank, bundle) for r, rank in enumerate(self.ranks)], dl.start_s)
+            asks = {k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
+            started([(f"learner rank {r}", rank, asks) for r, rank in enumerate(self.ranks)], dl.start_s)
             addr, port = get(self.ranks[0].rendezvous.remote(), dl.call_s, "learner rank 0 (rendezvous)")
             get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks], dl.start_s,
                 "learner ranks loading the model")
