@@ -1,8 +1,8 @@
 """The model forward of the hf engine: a Llama-family decoder run over rows of one preallocated KV buffer.
 
-Its own forward over the HF model's weights (Llama / Qwen2 / Mistral family: embedding, RMSNorm, rotary, q/k/v/o
-projections with optional biases, SwiGLU MLP, tied or untied lm_head), fused into one q|k|v and one gate|up matmul
-per layer. The HF modules' parameters become views into the fused tensors, so a plain `load_state_dict` on the HF
+Its own forward over the HF model's weights (Llama / Qwen2 / Qwen3 / Mistral family: embedding, RMSNorm, rotary,
+q/k/v/o projections with optional biases, Qwen3's per-head RMSNorm of queries and keys before the rotary, SwiGLU MLP,
+tied or untied lm_head), fused into one q|k|v and one gate|up matmul per layer. The HF modules' parameters become views into the fused tensors, so a plain `load_state_dict` on the HF
 model updates both. The KV buffer is `[layers, 2, rows, kv_heads, T, head_dim]`: each running sequence owns a row,
 writes its new key/value in place and attends over a view up to the batch's current length (SDPA with native GQA
 and an additive mask for the shorter rows). Logits are cut to the tokenizer's vocabulary: padded embedding rows are
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -33,6 +33,10 @@ class _Layer:
     bgu: torch.Tensor | None
     wd: torch.Tensor
     bd: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    """Qwen3: RMSNorm weight [head_dim] applied to every query head before the rotary (None: no such norm)."""
+    k_norm: torch.Tensor | None = None
+    """Qwen3: the same for every key head."""
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,6 +120,8 @@ class Decoder:
                     bgu=bgu,
                     wd=wd,
                     bd=bd,
+                    q_norm=att.q_norm.weight if hasattr(att, "q_norm") else None,
+                    k_norm=att.k_norm.weight if hasattr(att, "k_norm") else None,
                 )
             )
         # Rotary table for every position, from the model's own rotary module (so rope scaling is exactly HF's).
@@ -158,6 +164,9 @@ class Decoder:
             h = F.rms_norm(x, (D,), ly.ln1, self.eps)
             qkv = _linear(h, ly.wqkv, ly.bqkv).view(B, Q, H + 2 * KV, hd)
             qk = qkv[:, :, : H + KV]
+            if ly.q_norm is not None:  # Qwen3: each head's query and key RMS-normed over head_dim
+                qk = torch.cat([F.rms_norm(qk[:, :, :H], (hd,), ly.q_norm, self.eps),
+                                F.rms_norm(qk[:, :, H:], (hd,), ly.k_norm, self.eps)], dim=2)
             qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
             keys, values = kv[i, 0], kv[i, 1]
             keys[rows, :, pos] = qk[:, :, H:]
