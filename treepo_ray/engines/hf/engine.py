@@ -66,6 +66,9 @@ _COUNTERS = (
     "cached_tokens",
     "recomputed_tokens",
     "uncached_segments",
+    "steps",
+    "step_sequences",
+    "steps_at_cap",
 )
 _TIMERS = ("admit", "prefill", "decode", "sample", "branch", "bookkeeping")
 
@@ -125,6 +128,7 @@ class HFEngine:
         self._pending: deque[SegmentRequest] = deque()
         self._rows: list[_Row] = []
         self._reserved_tokens = 0
+        self._sequences = 0  # children not yet finished, of running and waiting requests
         self._done: list[SegmentResult] = []
         self._ids: set[str] = set()
         self._stats = dict.fromkeys(_COUNTERS, 0)
@@ -142,6 +146,7 @@ class HFEngine:
         for r in requests:
             self._ids.add(r.request_id)
             self._pending.append(r)
+            self._sequences += r.n
 
     def has_unfinished(self) -> bool:
         return bool(self._pending or self._rows or self._done)
@@ -168,6 +173,8 @@ class HFEngine:
         out["cache_tokens"] = self._cache.tokens
         out["running"] = len(self._rows)
         out["pending"] = len(self._pending)
+        out["open_sequences"] = self._sequences
+        out["max_sequences"] = self.max_batch_size
         out["weights_version"] = self.weights_version
         out.update({f"time_{k}_s": v for k, v in self._times.items()})
         return out
@@ -363,6 +370,9 @@ class HFEngine:
             torch.from_numpy(uniforms(seeds, counters)).to(self.device, torch.float32),
         )
         tokens, logps = tokens.tolist(), logps.tolist()
+        self._stats["steps"] += 1
+        self._stats["step_sequences"] += len(seeds)
+        self._stats["steps_at_cap"] += len(seeds) >= self.max_batch_size
         t = self._tick("sample", t)
 
         # Advance rows; fork leaders into their children (child 0 keeps the leader's row).
@@ -450,6 +460,7 @@ class HFEngine:
                 self._cache.unpin(q.base)
         q.children[row.child] = seg
         self._reserved_tokens -= q.need
+        self._sequences -= 1
         q.left -= 1
         if q.left == 0:
             self._done.append(SegmentResult(q.req.request_id, list(q.children), q.version))
