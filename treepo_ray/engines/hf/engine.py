@@ -23,7 +23,7 @@ import torch
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
 from treepo_ray.engines.hf.cache import Entry, NodeCache
 from treepo_ray.engines.hf.model import Decoder, load_model
-from treepo_ray.engines.hf.sampler import sample, uniforms
+from treepo_ray.engines.hf.sampler import kind_of, sample, uniforms
 from treepo_ray.tree import Segment
 
 
@@ -40,6 +40,8 @@ class _Req:
     version: int
     need: int
     """Buffer positions one child may use: len(prefix) + max_new_tokens."""
+    kind: str = "mixed"
+    """What its sampling parameters ask of the sampler (sampler.KINDS)."""
     children: list[Segment | None] = field(default_factory=list)
     left: int = 0
 
@@ -261,6 +263,7 @@ class HFEngine:
         req = _Req(r, cached, base, new_base, [seed + j for j in range(r.n)], self.weights_version,
                    P + r.max_new_tokens)
         req.children, req.left = [None] * r.n, r.n
+        req.kind = kind_of(r.params.temperature, r.params.top_k, r.params.top_p)
         if new_base is not None and new_base[1] is not None:
             self._cache.pin(new_base[1], 1)  # the revived entry will chain to this ancestor
         return req
@@ -362,12 +365,16 @@ class HFEngine:
         all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
         if B != len(seeds):
             all_logits = all_logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
+        kinds = {r.req.kind for r in rows}
+        kind = kinds.pop() if len(kinds) == 1 else "plain" if kinds == {"unit", "plain"} else "mixed"
+        tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
         tokens, logps = sample(
             all_logits,
-            torch.tensor([p.temperature for p in params], device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], device=self.device),
+            tensor([p.temperature for p in params]) if kind in ("plain", "mixed") else None,
+            tensor([p.top_k for p in params]) if kind == "mixed" else None,
+            tensor([p.top_p for p in params]) if kind == "mixed" else None,
             torch.from_numpy(uniforms(seeds, counters)).to(self.device, torch.float32),
+            kind,
         )
         tokens, logps = tokens.tolist(), logps.tolist()
         self._stats["steps"] += 1
