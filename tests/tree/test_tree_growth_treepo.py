@@ -381,20 +381,19 @@ def test_grower_needs_a_fresh_tree_and_a_valid_seed():
 # ---- segment ends on KV-cache block boundaries (segment_align) ----------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt_len", [9, 10, 16, 17, 23])
-def test_segment_align_puts_every_inner_prefix_one_past_a_block_boundary(prompt_len):
-    """Align 8, segments of 8: the first segment is shortened so each later prefix is 1 past a multiple of 8 (the
-    next segment feeds the parent's last sampled token first); the last segment gets the tokens back, so every
-    path still holds max_depth x segment_len tokens."""
+@pytest.mark.parametrize("prompt_len, extend", [(9, 0), (10, -1), (13, -4), (14, 3), (16, 1), (17, 0), (23, 2)])
+def test_segment_align_puts_every_inner_prefix_one_past_a_block_boundary(prompt_len, extend):
+    """Align 8, segments of 8: the first segment is cut or extended to the nearest boundary, so each later prefix
+    is 1 past a multiple of 8 (the next segment feeds the parent's last sampled token first); the last segment
+    gives or takes the difference, so every path still holds max_depth x segment_len tokens."""
     c = cfg(width=8, max_depth=4, segment_len=8, segment_align=8, repetition_substr_len=0)
     g = TreePOGrower(Tree(prompt_ids=list(range(100, 100 + prompt_len)), query_id="q"), c, eos_token_id=EOS,
                      decode=decode, seed=1)
     batches = drive(g, by_round({}))
-    shift = (prompt_len + 8 - 1) % 8
     for asks in batches:
         for a in asks:
             depth = g.tree.depth[a.node] + 1
-            assert a.max_new_tokens == {1: 8 - shift, 4: 8 + shift}.get(depth, 8)
+            assert a.max_new_tokens == {1: 8 + extend, 4: 8 - extend}.get(depth, 8)
             if depth > 1:
                 assert len(g.tree.prefix_ids(a.node)) % 8 == 1
     assert len(g.tree.trajectories) == 8

@@ -88,9 +88,9 @@ class PathLimits:
     """Occurrences (overlaps counted) of that substring that end the path as 'repetition' (0 = no check)."""
     segment_align: int = 0
     """Put segment ends on an engine's KV-cache block boundaries (vLLM: its block_size; 0 = off): the first segment
-    is shortened so that the prefix after it is 1 past a multiple of this, and the last segment (at max_depth) is
-    lengthened by as much. With segment_len a multiple of it, every child's prefix then lies in whole cached blocks
-    but for the parent's last sampled token, so vLLM recomputes nothing of it."""
+    is cut or extended, by at most half of this, so that the prefix after it is 1 past a multiple of this, and the
+    last segment (at max_depth) gives or takes the difference. With segment_len a multiple of it, every child's
+    prefix then lies in whole cached blocks but for the parent's last sampled token, so vLLM recomputes none of it."""
 
     def check_limits(self) -> None:
         name = type(self).__name__
@@ -145,7 +145,8 @@ class StopRules:
             return "max_length", boxed
         if tree.depth[node] >= self.max_depth:
             return "max_depth", boxed
-        if has_repetition(decode(tree.tokens[node]), self.repetition_substr_len, self.repetition_min_count):
+        if (self.repetition_substr_len and self.repetition_min_count  # off: no need to decode the segment
+                and has_repetition(decode(tree.tokens[node]), self.repetition_substr_len, self.repetition_min_count)):
             return "repetition", boxed
         return "none", boxed
 
@@ -261,9 +262,10 @@ class Grower:
         if n < 1 or left < 1:
             raise AssertionError(f"bug: ask for {n} children of node {node} with {left} tokens left")
         if self.align:  # see PathLimits.segment_align; the children's depth decides
-            shift = (len(self.tree.prompt_ids) + segment_len - 1) % self.align
+            past = (len(self.tree.prompt_ids) + segment_len - 1) % self.align
+            extend = -past if 2 * past <= self.align else self.align - past  # to the nearest boundary
             depth = self.tree.depth[node] + 1
-            segment_len += shift * ((depth == self.rules.max_depth) - (depth == 1))
+            segment_len += extend * ((depth == 1) - (depth == self.rules.max_depth))
         seed = int(np.random.SeedSequence([self.seed, self._counter]).generate_state(1)[0] & 0x7FFFFFFF)
         ask = Ask(f"{self.tree.query_id}/{self._counter}", int(node), int(n), int(min(segment_len, left)), seed)
         self._counter += 1
