@@ -127,6 +127,8 @@ class HFEngine:
         self._rng = random.Random(seed)  # seeds of requests that give none
         self._cache = NodeCache(max_cache_tokens)
         self._kv = self.decoder.new_buffer(0, 0)
+        self._positions = torch.arange(0)  # 0..buffer length - 1, for masks
+        self._mask_values: tuple[torch.Tensor, ...] = ()  # (0, -inf) in the KV dtype
         self._pending: deque[SegmentRequest] = deque()
         self._rows: list[_Row] = []
         self._reserved_tokens = 0
@@ -211,8 +213,9 @@ class HFEngine:
         p = r.params
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
             raise ValueError(f"{where}: bad sampling params {p}")
-        bad = [t for t in r.prefix_ids if not 0 <= t < self.decoder.embed.shape[0]]
-        if bad:
+        vocab = self.decoder.embed.shape[0]
+        if min(r.prefix_ids) < 0 or max(r.prefix_ids) >= vocab:
+            bad = [t for t in r.prefix_ids if not 0 <= t < vocab]
             raise ValueError(f"{where}: prefix token ids {bad[:5]} are outside the embedding")
         need = len(r.prefix_ids) + r.max_new_tokens
         if need > self.decoder.max_positions:
@@ -325,7 +328,7 @@ class HFEngine:
         if Bd:
             pos = [r.pos for r in rows[:Bd]]
             T = max(pos) + 1
-            ids = torch.tensor([[r.feed[0]] for r in rows[:Bd]], device=self.device)
+            ids = torch.tensor([r.feed[0] for r in rows[:Bd]], device=self.device)[:, None]
             pos_t = torch.tensor(pos, device=self.device)
             mask = self._mask(pos_t[:, None], T)
             logits.append(self.decoder.forward(self._kv, 0, ids, pos_t[:, None], mask, None))
@@ -344,29 +347,27 @@ class HFEngine:
             logits.append(self.decoder.forward(self._kv, Bd, ids, pos_t, mask, last))
             t = self._tick("prefill", t)
         fed = [len(r.feed) for r in rows]
-        for r, n_fed in zip(rows, fed):
-            if r.child < 0:
-                self._stats["prefill_tokens"] += n_fed
-            else:
-                self._stats["decode_tokens"] += 1
+        children = sum(r.child >= 0 for r in rows)  # each fed one token
+        self._stats["decode_tokens"] += children
+        self._stats["prefill_tokens"] += sum(fed) - children
         self._stats["forward_tokens"] += sum(fed)
 
         # Sample: a leader draws one token per child from its logits.
         counts = [r.req.req.n if r.child < 0 else 1 for r in rows]
-        seeds, counters, params = [], [], []
-        for r, c in zip(rows, counts):
+        seeds, counters = [], []
+        for r in rows:
             if r.child < 0:
                 seeds.extend(r.req.seeds)
-                counters.extend([0] * c)
+                counters.extend([0] * r.req.req.n)
             else:
                 seeds.append(r.req.seeds[r.child])
                 counters.append(len(r.tokens))
-            params.extend([r.req.req.params] * c)
         all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
         if B != len(seeds):
             all_logits = all_logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
         kinds = {r.req.kind for r in rows}
         kind = kinds.pop() if len(kinds) == 1 else "plain" if kinds == {"unit", "plain"} else "mixed"
+        params = [r.req.req.params for r, c in zip(rows, counts) for _ in range(c)] if kind != "unit" else []
         tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
         tokens, logps = sample(
             all_logits,
@@ -417,9 +418,12 @@ class HFEngine:
 
     def _mask(self, pos: torch.Tensor, T: int) -> torch.Tensor:
         """Additive attention mask [B, 1, Q, T]: query at position p sees positions <= p."""
-        see = torch.arange(T, device=self.device)[None, None, :] <= pos[:, :, None]
-        zero = torch.zeros((), dtype=self._kv.dtype, device=self.device)
-        return torch.where(see, zero, torch.tensor(float("-inf"), dtype=self._kv.dtype, device=self.device))[:, None]
+        if self._positions.shape[0] < T:  # built once per buffer length (small ops add up at narrow batches)
+            self._positions = torch.arange(self._kv.shape[4], device=self.device)
+            self._mask_values = tuple(torch.tensor(v, dtype=self._kv.dtype, device=self.device)
+                                      for v in (0.0, float("-inf")))
+        see = self._positions[None, None, :T] <= pos[:, :, None]
+        return torch.where(see, *self._mask_values)[:, None]
 
     def _append(self, row: _Row, token: int, logp: float, finished: list[int], index: int) -> None:
         row.tokens.append(token)

@@ -132,6 +132,7 @@ class Decoder:
         half = self.head_dim // 2
         self.cos = cos[0].to(self.embed.dtype)
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(self.embed.dtype)
+        self._layer_kv: tuple = (None, [])
 
     def new_buffer(self, rows: int, length: int) -> torch.Tensor:
         # Zeros, not empty: masked positions are still multiplied (by a zero weight), and stale memory may hold NaN.
@@ -160,6 +161,9 @@ class Decoder:
         sin = self.sin[pos].unsqueeze(2)
         D = self.hidden
         x = F.embedding(ids.reshape(-1), self.embed)  # [B*Q, D]: every linear is one 2-D matmul
+        if self._layer_kv[0] is not kv:  # each layer's key and value views, made once per buffer
+            self._layer_kv = (kv, [(kv[i, 0], kv[i, 1]) for i in range(len(self.layers))])
+        layer_kv = self._layer_kv[1]
         for i, ly in enumerate(self.layers):
             h = F.rms_norm(x, (D,), ly.ln1, self.eps)
             qkv = _linear(h, ly.wqkv, ly.bqkv).view(B, Q, H + 2 * KV, hd)
@@ -167,8 +171,8 @@ class Decoder:
             if ly.q_norm is not None:  # Qwen3: each head's query and key RMS-normed over head_dim
                 qk = torch.cat([F.rms_norm(qk[:, :, :H], (hd,), ly.q_norm, self.eps),
                                 F.rms_norm(qk[:, :, H:], (hd,), ly.k_norm, self.eps)], dim=2)
-            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
-            keys, values = kv[i, 0], kv[i, 1]
+            qk = qk * cos + qk.roll(half, dims=-1) * sin  # roll by half = cat(second half, first half)
+            keys, values = layer_kv[i]
             keys[rows, :, pos] = qk[:, :, H:]
             values[rows, :, pos] = qkv[:, :, H + KV :]
             k_view, v_view = keys[row0 : row0 + B, :, :T], values[row0 : row0 + B, :, :T]
