@@ -16,6 +16,12 @@ Timing: one untimed warm-up, then `--repeats` runs of each mode in alternating o
 is kept, and every run's wall and CPU time is in the JSON. One torch thread by default: with other processes on
 the cores, OpenMP threads that wait for each other are much slower and far noisier.
 
+Reference mode (`hf_generate`, off with --no-reference): Hugging Face `generate` with i.i.d. sampling on the same
+model, prompts, sampling parameters and budget, every prompt repeated `width` times and left-padded, in batches of
+at most --max-batch-size (what TRL's GRPO trainer does). It runs alongside the first config's repeats (after each of
+its tokens, one engine step of each mode, timed apart), and every config's ratios compare with it
+(`tree_over_hf_generate`, `sequential_over_hf_generate`, and by CPU time).
+
 Reported per mode: trajectories, generated_tokens (every node's segment), forward_tokens (every position run
 through the model), unique_tree_tokens (prompt once + every node's segment once), wall_s, traj_per_s, tok_per_s
 (generated tokens / s), forward_tok_per_s (the paper's TokenPS: model-processed tokens / s), traj_tok_per_s
