@@ -208,7 +208,8 @@ class HFGenerate:
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
         rows = [list(p) for p in prompts for _ in range(args.width)]
-        sampled = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
+        # top_k=0 is off in transformers too (its unset default would be 50).
+        sampled = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         wall = cpu = 0.0
         tokens = 0
         for i in range(0, len(rows), args.max_batch_size):
