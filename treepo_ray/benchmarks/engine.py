@@ -207,6 +207,7 @@ class HFGenerate:
                     self.cpu += time.process_time() - c
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+        torch.manual_seed(args.seed)
         rows = [list(p) for p in prompts for _ in range(args.width)]
         # top_k=0 is off in transformers too (its unset default would be 50).
         sampled = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
