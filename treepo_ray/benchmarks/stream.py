@@ -11,8 +11,9 @@ runs or holds waiting (or, with `--in-flight N`, whenever fewer than N prompts a
 
 Both modes (sequential: `width` i.i.d. paths of the whole budget; tree: TreePO, binary initial divergence) grow the
 same prompts with the same model, width and response budget (depth x segment_len), each on its own engine, stepped
-alternately in one process so that other load on the machine slows both alike (the engine bench's method and
-workload: a random Qwen2 built here, temperature 1, EOS and repetition checks off so every path uses its budget).
+in turn in one process so that other load on the machine slows both alike: paced by the warm-up's forward tokens per
+prompt, so that both streams also end together (the engine bench's workload: a random Qwen2 built here, temperature
+1, EOS and repetition checks off so every path uses its budget).
 
 Reported per mode: trajectories, traj_per_s, generated_tokens, forward_tokens (every position run through the
 model), forward_over_unique, steps (engine iterations that sampled), mean_batch (sequences that sampled a token,
@@ -91,17 +92,27 @@ def mode_report(r: dict, cpu_s: float) -> dict:
     }
 
 
-def run_streams(engines: dict, prompts: list[list[int]], args, decode, bar=None) -> dict:
-    """Both modes' streams, one engine step of each in turn; a mode's wall_s is the time of its own steps."""
+def run_streams(engines: dict, prompts: list[list[int]], args, decode, bar=None, pace: dict | None = None) -> dict:
+    """Both modes' streams, stepped in turn; a mode's wall_s is the time of its own steps.
+
+    `pace`: each mode's expected forward tokens per prompt (from the warm-up). With it, the mode whose share of its
+    expected work is done is smaller steps next, so that both streams end together and every background load the
+    machine goes through falls on both (plain alternation would leave the longer stream to run alone at the end).
+    """
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     depth, seg = args.depth, args.segment_len
     loops = {m: StreamLoop(make_growers(m, prompts, args, depth, seg, decode, getattr(engines[m], "segment_align", 0)),
                            engines[m], params,
                            stop_at_eos=False, progress=bar, in_flight=args.in_flight) for m in MODES}
+    start_fwd = {m: engines[m].stats()["forward_tokens"] for m in MODES}
+
+    def done_share(m: str) -> float:
+        return (engines[m].stats()["forward_tokens"] - start_fwd[m]) / (pace[m] * len(prompts))
+
     cpu = dict.fromkeys(MODES, 0.0)
     active = list(MODES)
     while active:
-        for m in list(active):
+        for m in [min(active, key=done_share)] if pace else list(active):
             start = time.process_time()
             more = loops[m].step()
             cpu[m] += time.process_time() - start
@@ -159,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                                       **kw) for m in MODES}
             bar = tqdm(total=2 * (args.warmup_prompts + args.prompts), desc=f"bench stream {name}", unit="tree",
                        disable=args.no_progress, file=sys.stderr)
+            pace = None
             if args.warmup_prompts:  # allocations and kernels, untimed (its own prompts: nothing stays cached)
-                run_streams(engines, stream_prompts(tokenizer, args.prompts + args.warmup_prompts)[args.prompts:],
-                            args, tokenizer.decode, bar)
-            result = run_streams(engines, prompts, args, tokenizer.decode, bar)
+                warm_prompts = stream_prompts(tokenizer, args.prompts + args.warmup_prompts)[args.prompts:]
+                warm = run_streams(engines, warm_prompts, args, tokenizer.decode, bar)
+                pace = {m: warm[m]["forward_tokens"] / args.warmup_prompts for m in MODES}
+            result = run_streams(engines, prompts, args, tokenizer.decode, bar, pace)
             bar.close()
             print(table(result, name))
             report["engines"][name] = result
