@@ -3,10 +3,10 @@
 Its own forward over the HF model's weights (Llama / Qwen2 / Qwen3 / Mistral family: embedding, RMSNorm, rotary,
 q/k/v/o projections with optional biases, Qwen3's per-head RMSNorm of queries and keys before the rotary, SwiGLU MLP,
 tied or untied lm_head), fused into one q|k|v and one gate|up matmul per layer. The HF modules' parameters become
-views into the fused tensors, so a plain `load_state_dict` on the HF model updates both. The KV buffer is `[layers, 2, rows, kv_heads, T, head_dim]`: each running sequence owns a row,
-writes its new key/value in place and attends over a view up to the batch's current length (SDPA with native GQA
-and an additive mask for the shorter rows). Logits are cut to the tokenizer's vocabulary: padded embedding rows are
-never sampled.
+views into the fused tensors, so a plain `load_state_dict` on the HF model updates both. The KV buffer is
+`[layers, 2, rows, kv_heads, T, head_dim]`: each running sequence owns a row, writes its new key/value in place and
+attends over a view up to the batch's current length (SDPA with native GQA and an additive mask for the shorter
+rows). Logits are cut to the tokenizer's vocabulary: padded embedding rows are never sampled.
 """
 
 from __future__ import annotations
