@@ -11,12 +11,13 @@ COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
     "eval": ("treepo_ray.job.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset (the train's config keys)"),
     "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling on one engine; `bench NAME ...` runs "
-                                              "another benchmark (chaos, overlap, catpo, learner)"),
+                                              "another benchmark (stream, learner, chaos, overlap, catpo)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
     "viz": ("treepo_ray.job.viz", "render a run's saved trees as a self-contained HTML page"),
 }
 BENCHMARKS = {
     "engine": "treepo_ray.benchmarks.engine",
+    "stream": "treepo_ray.benchmarks.stream",
     "chaos": "treepo_ray.benchmarks.chaos",
     "overlap": "treepo_ray.benchmarks.overlap",
     "catpo": "treepo_ray.benchmarks.catpo",

@@ -35,6 +35,11 @@ def test_bench_writes_both_modes_and_their_ratios(tmp_path, capsys):
     # One decode forward timed at rows 1 and 8 (all paths), at 32 positions and at the longest path's length.
     assert {k.split("_")[0] for k in report["decode_step_ms"]} == {"rows1", "rows8"}
     assert len(report["decode_step_ms"]) == 4 and all(v > 0 for v in report["decode_step_ms"].values())
+    # The reference mode: Hugging Face generate, i.i.d., the same prompts and budget.
+    ref = report["hf_generate"]
+    assert ref["trajectories"] == 8 and ref["generated_tokens"] == 2 * 4 * 8
+    assert ratios["tree_over_hf_generate"] == pytest.approx(tree["traj_per_s"] / ref["traj_per_s"])
+    assert ratios["sequential_over_hf_generate"] == pytest.approx(seq["traj_per_s"] / ref["traj_per_s"])
     assert "token_bound" in capsys.readouterr().out
 
 
@@ -47,3 +52,6 @@ def test_bench_sweep_saves_plots(tmp_path):
     for path in report["plots"]:
         assert (tmp_path / path.split("/")[-1]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["best"]["speedup"] == max(r["ratios"]["speedup"] for r in report["results"])
+    # Every config has the same budget: the reference runs with the first and every config compares with it.
+    assert all(r["hf_generate"] == report["results"][0]["hf_generate"] for r in report["results"])
+    assert all("tree_over_hf_generate" in r["ratios"] for r in report["results"])

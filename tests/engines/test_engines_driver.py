@@ -6,7 +6,7 @@ import pytest
 from hf_testlib import hf_logprobs
 
 from treepo_ray.engines.base import SamplingParams, SegmentResult
-from treepo_ray.engines.driver import TreeTracker, grow
+from treepo_ray.engines.driver import StreamLoop, TreeTracker, grow
 from treepo_ray.engines.hf import HFEngine
 from treepo_ray.tree import (
     Segment,
@@ -133,3 +133,38 @@ def test_growth_is_reproducible_and_sequential_and_treerpo_work_too(model_dir):
     assert engine.stats()["cache_entries"] == 0
 
 
+
+
+def paths(grower) -> list[tuple[int, ...]]:
+    return sorted(tuple(grower.tree.response_ids(n)) for n in grower.tree.trajectories)
+
+
+@pytest.mark.slow
+def test_stream_admits_trees_as_room_frees_and_grows_the_same_trees(model_dir):
+    """A stream through an engine capped at 6 sequences: trees are admitted while the engine has room, or up to
+    `in_flight` at once; seeded per request, every tree comes
+    out as it does grown alone (node numbering and log-prob rounding aside)."""
+    prompts = [PROMPTS[i % 3][: 4 + i] for i in range(6)]
+    alone = []
+    for i, p in enumerate(prompts):
+        g = treepo(i, p)
+        grow([g], HFEngine(model_dir, num_threads=1), SamplingParams(temperature=1.0), stop_at_eos=False)
+        alone.append(paths(g))
+    for in_flight in (0, 2):
+        engine = HFEngine(model_dir, num_threads=1, max_batch_size=6)
+        loop = StreamLoop((treepo(i, p) for i, p in enumerate(prompts)), engine, SamplingParams(temperature=1.0),
+                          stop_at_eos=False, in_flight=in_flight)
+        most_trees = loop.left
+        while loop.step():
+            most_trees = max(most_trees, loop.left)
+        assert [paths(g) for g in loop.growers] == alone
+        out = loop.summary()
+        assert out["trees"] == 6 and out["trajectories"] == 48 and out["steps_at_cap"] > 0
+        assert out["step_sequences"] <= 6 * out["steps"]
+        if in_flight:
+            assert most_trees == 2
+        else:
+            # Three first asks of 2 children fill the 6 rows; a tree joins later only when the queue has run dry,
+            # and by then the trees in flight wait for their own wider rounds.
+            assert most_trees == 3
+    assert engine.stats()["cache_entries"] == 0 and engine.stats()["open_sequences"] == 0

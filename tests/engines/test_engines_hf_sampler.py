@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treepo_ray.engines.hf.sampler import sample, uniforms
+from treepo_ray.engines.hf.sampler import _SMALL, kind_of, sample, uniforms
 
 
 def test_sample_inverse_cdf_with_top_k_and_top_p():
@@ -46,3 +46,26 @@ def test_uniforms_are_a_function_of_seed_and_counter():
     # Pinned values: the same seeds must keep giving the same tokens across versions (seeds wrap to 64 bits).
     assert uniforms([0, 123, 2**63 + 5], [0, 5, 7]).tolist() == [0.9458807832621713, 0.2192006990429517,
                                                                   0.3374364481368878]
+
+
+def test_fast_paths_draw_exactly_what_the_general_path_draws():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=gen) * 3
+    u = torch.rand(64, generator=gen)
+    none_k, no_p = torch.zeros(64, dtype=torch.long), torch.ones(64)
+    for kind, temp in (("unit", torch.ones(64)), ("plain", torch.rand(64, generator=gen) + 0.3),
+                       ("greedy", torch.zeros(64))):
+        general = sample(logits, temp, none_k, no_p, u)
+        fast = sample(logits, temp if kind == "plain" else None, None, None, u, kind)
+        assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
+    assert (kind_of(0.0, 5, 0.5), kind_of(1.0, 0, 1.0), kind_of(0.7, 0, 1.0), kind_of(1.0, 0, 0.9)) == (
+        "greedy", "unit", "plain", "mixed")
+
+
+def test_uniforms_small_batches_take_python_ints_to_the_same_bits():
+    seeds = [0, 1, 2**63 + 5, -3, 123456789] * 10
+    counters = list(range(len(seeds)))
+    whole = uniforms(seeds, counters)  # 50 draws: the numpy path
+    assert len(whole) > _SMALL
+    for i in range(0, len(seeds), 7):  # 7 draws at a time: the Python path
+        assert uniforms(seeds[i : i + 7], counters[i : i + 7]).tolist() == whole[i : i + 7].tolist()

@@ -261,3 +261,36 @@ def test_seeded_batch_larger_than_one_step_prefill(engine):
     assert all(len(r.children) == 2 for r in results)
     (solo,) = generate(engine, [SegmentRequest("solo", _prompt(107, 60), 2, n=2, params=SamplingParams(1.0, seed=7))])
     assert [c.token_ids for c in solo.children] == [c.token_ids for c in results[7].children]
+
+
+def test_aligned_tree_children_recompute_only_their_parents_last_token(engine):
+    """A TreePO tree whose segment ends sit on vLLM's block boundaries (segment_align = the engine's block size):
+    every ask past the root finds its whole prefix cached but the parent's last sampled token, which each child
+    feeds (1 token). Unaligned, each child recomputes the prefix's partial last block as well."""
+    from treepo_ray.engines.driver import grow
+    from treepo_ray.tree import Tree, TreePOConfig, TreePOGrower
+
+    assert engine.segment_align == 32
+    prompt = _prompt(12, 40)  # 40 + 32 = 72: 8 tokens past a boundary, so the first segment is cut to 25 tokens
+
+    def tree(align: int, seed: int):
+        cfg = TreePOConfig(width=4, max_depth=3, segment_len=32, segment_align=align, repetition_substr_len=0)
+        return TreePOGrower(Tree(prompt, query_id=f"aligned{align}-{seed}"), cfg, eos_token_id=-1,
+                            decode=lambda ids: "", seed=seed)
+
+    sampled = SamplingParams(temperature=1.0)
+    aligned, plain = tree(32, 1), tree(0, 2)
+    before = engine.stats()
+    out = grow([aligned], engine, sampled, stop_at_eos=False)
+    asks = aligned.stats()["asks"]
+    later = sum(len(aligned.tree.children(n)) for n in range(1, len(aligned.tree)))  # children of non-root asks
+    # Root ask (n=2): the first child computes the 40-token prompt, the second its partial block (8 tokens).
+    assert out["prefill_tokens"] == 40 + 8 + later and asks > 3
+    assert out["forward_tokens"] <= 1.02 * out["unique_tree_tokens"]
+    assert all(len(aligned.tree.response_ids(n)) == 96 for n in aligned.tree.trajectories)
+    assert engine.stats()["open_sequences"] == before["open_sequences"] == 0
+    assert engine.stats()["max_sequences"] == 64 and out["steps"] > 0 and out["step_sequences"] >= out["steps"]
+    # Unaligned (the same shape): every child recomputes its prefix's last 8 tokens (72 = 2 blocks + 8, 104 = 3
+    # blocks + 8); the root's children too, as the prompt's first block is still cached from the tree above.
+    unaligned = grow([plain], engine, sampled, stop_at_eos=False)
+    assert unaligned["prefill_tokens"] == 2 * 8 + 8 * later

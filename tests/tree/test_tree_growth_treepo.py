@@ -376,3 +376,36 @@ def test_grower_needs_a_fresh_tree_and_a_valid_seed():
         TreePOGrower(t, cfg(), eos_token_id=EOS, decode=decode, seed=0)
     with pytest.raises(ValueError, match="seed"):
         TreePOGrower(Tree(prompt_ids=[1]), cfg(), eos_token_id=EOS, decode=decode, seed=-1)
+
+
+# ---- segment ends on KV-cache block boundaries (segment_align) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt_len, extend", [(9, 0), (10, -1), (13, -4), (14, 3), (16, 1), (17, 0), (23, 2)])
+def test_segment_align_puts_every_inner_prefix_one_past_a_block_boundary(prompt_len, extend):
+    """Align 8, segments of 8: the first segment is cut or extended to the nearest boundary, so each later prefix
+    is 1 past a multiple of 8 (the next segment feeds the parent's last sampled token first); the last segment
+    gives or takes the difference, so every path still holds max_depth x segment_len tokens."""
+    c = cfg(width=8, max_depth=4, segment_len=8, segment_align=8, repetition_substr_len=0)
+    g = TreePOGrower(Tree(prompt_ids=list(range(100, 100 + prompt_len)), query_id="q"), c, eos_token_id=EOS,
+                     decode=decode, seed=1)
+    batches = drive(g, by_round({}))
+    for asks in batches:
+        for a in asks:
+            depth = g.tree.depth[a.node] + 1
+            assert a.max_new_tokens == {1: 8 + extend, 4: 8 - extend}.get(depth, 8)
+            if depth > 1:
+                assert len(g.tree.prefix_ids(a.node)) % 8 == 1
+    assert len(g.tree.trajectories) == 8
+    assert all(len(g.tree.response_ids(n)) == 32 for n in g.tree.trajectories)
+
+
+def test_segment_align_off_or_already_aligned_asks_plain_segments():
+    plain = grower(cfg(width=4, max_depth=3, segment_len=8, repetition_substr_len=0))
+    aligned = TreePOGrower(Tree(prompt_ids=list(range(100, 109)), query_id="q"),  # 9 + 8 = 17 = 2 * 8 + 1
+                           cfg(width=4, max_depth=3, segment_len=8, segment_align=8, repetition_substr_len=0),
+                           eos_token_id=EOS, decode=decode, seed=0)
+    for g in (plain, aligned):
+        assert {a.max_new_tokens for asks in drive(g, by_round({})) for a in asks} == {8}
+    with pytest.raises(ValueError, match="segment_align"):
+        cfg(segment_len=8, segment_align=3)

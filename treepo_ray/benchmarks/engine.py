@@ -16,6 +16,12 @@ Timing: one untimed warm-up, then `--repeats` runs of each mode in alternating o
 is kept, and every run's wall and CPU time is in the JSON. One torch thread by default: with other processes on
 the cores, OpenMP threads that wait for each other are much slower and far noisier.
 
+Reference mode (`hf_generate`, off with --no-reference): Hugging Face `generate` with i.i.d. sampling on the same
+model, prompts, sampling parameters and budget, every prompt repeated `width` times and left-padded, in batches of
+at most --max-batch-size (what TRL's GRPO trainer does). It runs alongside the first config's repeats (after each of
+its tokens, one engine step of each mode, timed apart), and every config's ratios compare with it
+(`tree_over_hf_generate`, `sequential_over_hf_generate`, and by CPU time).
+
 Reported per mode: trajectories, generated_tokens (every node's segment), forward_tokens (every position run
 through the model), unique_tree_tokens (prompt once + every node's segment once), wall_s, traj_per_s, tok_per_s
 (generated tokens / s), forward_tok_per_s (the paper's TokenPS: model-processed tokens / s), traj_tok_per_s
@@ -58,6 +64,8 @@ PROMPTS = [
 ]
 SWEEP = [(2, 128), (4, 64), (8, 32), (16, 16)]
 MODES = ("sequential", "tree")
+REFERENCE = "hf_generate"
+"""The reference mode: Hugging Face generate, i.i.d. (see HFGenerate)."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -86,6 +94,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 is steadiest when other processes share the cores; 0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-reference", action="store_true",
+                   help=f"skip the reference mode ({REFERENCE}: Hugging Face generate, i.i.d.)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -105,19 +115,21 @@ def build_model(args: argparse.Namespace, where: Path) -> Path:
     return build_tiny_model(where, cfg)
 
 
-def make_growers(mode: str, prompts: list[list[int]], args, depth: int, seg: int, decode) -> list:
+def make_growers(mode: str, prompts: list[list[int]], args, depth: int, seg: int, decode, align: int = 0) -> list:
+    """`align`: the engine's segment_align (vLLM's KV block size; see PathLimits.segment_align)."""
     # eos_token_id=-1: the growers never see an EOS, so every path runs its full budget (see module docstring).
     common = dict(eos_token_id=-1, decode=decode)
+    align = align if seg % max(align, 1) == 0 else 0  # segments that are no multiple of a block cannot be aligned
     out = []
     for i, ids in enumerate(prompts):
         tree = Tree(list(ids), query_id=f"p{i}")
         if mode == "tree":
             cfg = TreePOConfig(width=args.width, max_depth=depth, segment_len=seg,
-                               init_divergence=args.init_divergence, repetition_substr_len=0)
+                               init_divergence=args.init_divergence, repetition_substr_len=0, segment_align=align)
             out.append(TreePOGrower(tree, cfg, seed=args.seed + i, **common))
         else:
             cfg = SequentialConfig(group_size=args.width, max_depth=1, segment_len=depth * seg,
-                                   repetition_substr_len=0)
+                                   repetition_substr_len=0, segment_align=align)
             out.append(SequentialGrower(tree, cfg, seed=args.seed + i, **common))
     return out
 
@@ -167,25 +179,88 @@ def _mode_report(r: dict, cpu: float) -> dict:
     }
 
 
-def run_pair(engines: dict, order: tuple[str, ...], prompts, args, depth: int, seg: int, decode, bar) -> dict:
-    """Grow both modes at once, alternating one engine step of each (in `order`), each mode on its own engine.
+class HFGenerate:
+    """The reference mode: Hugging Face `generate` with i.i.d. sampling, as TRL's GRPO trainer samples. Every prompt
+    repeated `width` times, left-padded, in batches of at most max_batch_size sequences (one call per batch,
+    transformers' default dynamic KV cache); same model, sampling parameters and response budget as the other modes,
+    EOS ignored like theirs."""
+
+    def __init__(self, model_path: Path, device: str, tokenizer):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        self.device = device
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run(self, prompts: list[list[int]], args, budget: int, between=None) -> dict:
+        """Sample; `between()` runs after every generated token (other modes' steps, timed apart from this one)."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Interleave(StoppingCriteria):
+            wall = cpu = 0.0
+
+            def __call__(self, input_ids, scores, **kwargs):
+                if between is not None:
+                    w, c = time.perf_counter(), time.process_time()
+                    between()
+                    self.wall += time.perf_counter() - w
+                    self.cpu += time.process_time() - c
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        torch.manual_seed(args.seed)
+        rows = [list(p) for p in prompts for _ in range(args.width)]
+        # top_k=0 is off in transformers too (its unset default would be 50).
+        sampled = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        wall = cpu = 0.0
+        tokens = 0
+        for i in range(0, len(rows), args.max_batch_size):
+            chunk = rows[i : i + args.max_batch_size]
+            width = max(len(r) for r in chunk)
+            ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in chunk], device=self.device)
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk], device=self.device)
+            crit = Interleave()
+            w, c = time.perf_counter(), time.process_time()
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=budget, eos_token_id=None,
+                    pad_token_id=self.pad, stopping_criteria=StoppingCriteriaList([crit]),
+                    **(sampled if args.temperature > 0 else {"do_sample": False}),
+                )
+            wall += time.perf_counter() - w - crit.wall
+            cpu += time.process_time() - c - crit.cpu
+            tokens += (out.shape[1] - width) * len(chunk)
+        return {"trajectories": len(rows), "generated_tokens": tokens, "wall_s": wall, "cpu_s": cpu,
+                "traj_per_s": len(rows) / wall, "tok_per_s": tokens / wall}
+
+
+def run_pair(engines: dict, order: tuple[str, ...], prompts, args, depth: int, seg: int, decode, bar,
+             reference: HFGenerate | None = None) -> dict:
+    """Grow both modes at once, alternating one engine step of each (in `order`), each mode on its own engine; with
+    `reference`, Hugging Face generate runs alongside (one step of each mode after each token it generates).
 
     A mode's wall_s is the time spent in its own steps: the other processes on the machine slow both modes alike,
     where timing them one after the other would compare a busy minute with a quiet one.
     """
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    loops = {m: GrowLoop(make_growers(m, prompts, args, depth, seg, decode), engines[m], params,
+    loops = {m: GrowLoop(make_growers(m, prompts, args, depth, seg, decode, getattr(engines[m], "segment_align", 0)),
+                         engines[m], params,
                          stop_at_eos=False, progress=bar) for m in order}
     cpu = dict.fromkeys(order, 0.0)
     active = list(order)
-    while active:
+
+    def step_each() -> None:
         for m in list(active):
             start = time.process_time()
             more = loops[m].step()
             cpu[m] += time.process_time() - start
             if not more:
                 active.remove(m)
+
     out = {}
+    if reference is not None:
+        out[REFERENCE] = reference.run(prompts, args, depth * seg, between=step_each)
+    while active:
+        step_each()
     for m in order:
         summary = loops[m].summary()
         summary["trajectory_tokens"] = sum(len(g.tree.response_ids(n)) for g in loops[m].growers
@@ -194,19 +269,25 @@ def run_pair(engines: dict, order: tuple[str, ...], prompts, args, depth: int, s
     return out
 
 
-def run_config(engines: dict, prompts, args, depth: int, seg: int, decode, bar) -> dict:
+def run_config(engines: dict, prompts, args, depth: int, seg: int, decode, bar,
+               reference: HFGenerate | dict | None = None) -> dict:
     """`repeats` paired runs (which mode steps first alternates). The fastest run of each mode is kept: other
-    processes only ever add time, so the minimum is the least disturbed measurement (as timeit does)."""
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    processes only ever add time, so the minimum is the least disturbed measurement (as timeit does).
+    `reference`: HFGenerate to run alongside, or the result of an earlier config's (same budget) to compare with."""
+    modes = MODES + ((REFERENCE,) if isinstance(reference, HFGenerate) else ())
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(args.repeats):
-        pair = run_pair(engines, MODES if rep % 2 == 0 else MODES[::-1], prompts, args, depth, seg, decode, bar)
-        for mode in MODES:
+        pair = run_pair(engines, MODES if rep % 2 == 0 else MODES[::-1], prompts, args, depth, seg, decode, bar,
+                        reference if isinstance(reference, HFGenerate) else None)
+        for mode in modes:
             runs[mode].append(pair[mode])
     out: dict = {"depth": depth, "segment_len": seg}
-    for mode in MODES:
+    for mode in modes:
         out[mode] = dict(min(runs[mode], key=lambda r: r["wall_s"]))
         out[mode]["wall_s_runs"] = [round(r["wall_s"], 4) for r in runs[mode]]
         out[mode]["cpu_s_runs"] = [round(r["cpu_s"], 4) for r in runs[mode]]
+    if isinstance(reference, dict):
+        out[REFERENCE] = reference
     s, t = out["sequential"], out["tree"]
     bound = s["forward_tokens"] / t["forward_tokens"]
     speedup = t["traj_per_s"] / s["traj_per_s"]
@@ -220,27 +301,44 @@ def run_config(engines: dict, prompts, args, depth: int, seg: int, decode, bar) 
         # Process CPU time instead of wall time: steadier still when other processes compete for the cores.
         "cpu_speedup": min(s["cpu_s_runs"]) / min(t["cpu_s_runs"]),
     }
+    if REFERENCE in out:  # ours against the stock path, trajectories per second (and per CPU second)
+        g = out[REFERENCE]
+        for mode in MODES:
+            out["ratios"][f"{mode}_over_{REFERENCE}"] = out[mode]["traj_per_s"] / g["traj_per_s"]
+            out["ratios"][f"{mode}_over_{REFERENCE}_cpu"] = min(g["cpu_s_runs"]) / min(out[mode]["cpu_s_runs"])
+        if isinstance(reference, HFGenerate):
+            out["ratios"][f"tree_over_{REFERENCE}_per_repeat"] = [
+                round(a / b, 4) for a, b in zip(g["wall_s_runs"], t["wall_s_runs"])]
     return out
 
 
 def table(results: list[dict], engine: str) -> str:
-    head = (f"{'engine':<6} {'depth':>5} {'seg':>4} {'mode':<10} {'traj':>5} {'gen_tok':>8} {'fwd_tok':>8} "
+    head = (f"{'engine':<6} {'depth':>5} {'seg':>4} {'mode':<11} {'traj':>5} {'gen_tok':>8} {'fwd_tok':>8} "
             f"{'fwd/uniq':>8} {'wall_s':>7} {'traj/s':>7} {'tok/s':>8}")
     lines = [head]
     for r in results:
         for mode in MODES:
             m = r[mode]
             lines.append(
-                f"{engine:<6} {r['depth']:>5} {r['segment_len']:>4} {mode:<10} {m['trajectories']:>5} "
+                f"{engine:<6} {r['depth']:>5} {r['segment_len']:>4} {mode:<11} {m['trajectories']:>5} "
                 f"{m['generated_tokens']:>8} {m['forward_tokens']:>8} {m['forward_over_unique']:>8.3f} "
                 f"{m['wall_s']:>7.2f} {m['traj_per_s']:>7.2f} {m['tok_per_s']:>8.0f}"
             )
+        if REFERENCE in r:
+            g = r[REFERENCE]
+            lines.append(f"{'':<6} {'':>5} {'':>4} {REFERENCE:<11} {g['trajectories']:>5} {g['generated_tokens']:>8} "
+                         f"{'':>8} {'':>8} {g['wall_s']:>7.2f} {g['traj_per_s']:>7.2f} {g['tok_per_s']:>8.0f}")
         q = r["ratios"]
         lines.append(
-            f"{'':<6} {'':>5} {'':>4} tree/seq   token_bound {q['token_bound']:.2f}  speedup {q['speedup']:.2f}  "
+            f"{'':<6} {'':>5} {'':>4} tree/seq    token_bound {q['token_bound']:.2f}  speedup {q['speedup']:.2f}  "
             f"speedup/bound {q['speedup_over_bound']:.2f}  per repeat {q['speedups_per_repeat']}  "
             f"cpu-time speedup {q['cpu_speedup']:.2f}"
         )
+        if REFERENCE in r:
+            lines.append(
+                f"{'':<6} {'':>5} {'':>4} vs {REFERENCE}  tree {q[f'tree_over_{REFERENCE}']:.2f}x  sequential "
+                f"{q[f'sequential_over_{REFERENCE}']:.2f}x  (cpu time: tree {q[f'tree_over_{REFERENCE}_cpu']:.2f}x)"
+            )
     return "\n".join(lines)
 
 
@@ -299,9 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             n_runs = 1 + len(configs) * args.repeats
             bar = tqdm(total=n_runs * 2 * len(prompts), desc=f"bench {name}", unit="tree",
                        disable=args.no_progress, file=sys.stderr)
+            reference = None if args.no_reference else HFGenerate(model_path, args.device, tokenizer)
             # Warm up once (allocations, kernels) on the first config, untimed.
             run_pair(engines, MODES, prompts, args, configs[0][0], configs[0][1], tokenizer.decode, bar)
-            results = [run_config(engines, prompts, args, d, s, tokenizer.decode, bar) for d, s in configs]
+            results = []
+            for d, s in configs:  # the reference once, with the first config (every config has the same budget)
+                results.append(run_config(engines, prompts, args, d, s, tokenizer.decode, bar, reference))
+                reference = results[0].get(REFERENCE)
             bar.close()
             engine = engines["tree"]
             entry: dict = {"results": results}
@@ -323,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry["best"] = {"depth": best["depth"], "segment_len": best["segment_len"], **best["ratios"]}
                 print("plots:", ", ".join(entry["plots"]))
             else:
-                entry.update({m: results[0][m] for m in MODES}, ratios=results[0]["ratios"])
+                entry.update({m: results[0][m] for m in MODES + (REFERENCE,) if m in results[0]},
+                             ratios=results[0]["ratios"])
             report["engines"][name] = entry
             del engine, engines
     if args.json:

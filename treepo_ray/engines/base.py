@@ -78,7 +78,10 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> dict:
-        """Counters: forward_tokens (every position run through the model), cache_hits, cached_tokens, ..."""
+        """Counters: forward_tokens (every position run through the model), cache_hits, cached_tokens, steps (model
+        steps), step_sequences (summed over steps: sequences that sampled a token), steps_at_cap (steps whose batch
+        was full), ...; and gauges: open_sequences (children not yet finished, running or waiting) and
+        max_sequences (the batch's cap), which tell a caller whether more work would be run at once."""
         ...
 
     def load_weights(self, state_dict: dict, version: int) -> None: ...

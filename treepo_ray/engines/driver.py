@@ -3,14 +3,16 @@
 `TreeTracker` is the bookkeeping between growers (layer 1) and an engine: it turns a grower's ready asks into
 `SegmentRequest`s (full prefix ids, plus the cache key the engine returned for the node, so a prefix-caching engine
 continues without recomputing it) and turns results back into tree nodes. It never calls an engine, so the Ray
-runtime reuses it with remote engines. `grow` is the plain local loop over one in-process engine.
+runtime reuses it with remote engines. `grow` is the plain local loop over one in-process engine; `StreamLoop` grows
+a stream of prompts the way training feeds an engine (each tree at its own pace, new prompts admitted as the engine
+has room).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from treepo_ray.engines.base import Engine, SamplingParams, SegmentRequest, SegmentResult
 from treepo_ray.tree import Ask, Grower
@@ -97,7 +99,7 @@ class TreeTracker:
 
 
 Progress = Callable[[Grower], Any]
-_GAUGES = {"cache_entries", "cache_tokens", "running", "pending", "weights_version"}
+_GAUGES = {"cache_entries", "cache_tokens", "running", "pending", "weights_version", "open_sequences", "max_sequences"}
 
 
 class GrowLoop:
@@ -111,22 +113,30 @@ class GrowLoop:
         stop_at_eos: bool = True,
         progress: Progress | Any | None = None,
     ):
-        self.growers = list(growers)
+        self.growers: list[Grower] = []
         self.engine = engine
         self.progress = progress
         self.tracker = TreeTracker(params, stop_at_eos)
         self.left = 0
         self.busy_s = 0.0
-        """Wall time spent inside `step` (and the constructor's first requests)."""
+        """Wall time spent inside `step` and `add` (the constructor's first requests included)."""
         self._before = engine.stats()
+        self.add(growers)
+
+    def add(self, growers: list[Grower]) -> None:
+        """Start growing more trees: their first asks go to the engine now."""
         start = time.perf_counter()
-        for g in self.growers:
+        self._add(growers)
+        self.busy_s += time.perf_counter() - start
+
+    def _add(self, growers: list[Grower]) -> None:
+        for g in growers:
+            self.growers.append(g)
             if g.done():
                 self._finished(g)
                 continue
             self.left += 1
-            engine.add_requests(self.tracker.to_requests(g))
-        self.busy_s += time.perf_counter() - start
+            self.engine.add_requests(self.tracker.to_requests(g))
 
     def _finished(self, g: Grower) -> None:
         self.engine.release(self.tracker.release(g))
@@ -152,8 +162,12 @@ class GrowLoop:
             if g.done():
                 self.left -= 1
                 self._finished(g)
+        self._after_step()
         self.busy_s += time.perf_counter() - start
         return self.left > 0
+
+    def _after_step(self) -> None:
+        """Hook run after every step (StreamLoop admits new trees here)."""
 
     def summary(self) -> dict:
         """The engine's counter deltas since the loop started, plus tree counts and `wall_s` (= busy_s)."""
@@ -168,6 +182,43 @@ class GrowLoop:
             wall_s=self.busy_s,
         )
         return out
+
+
+class StreamLoop(GrowLoop):
+    """Grow a stream of trees on one engine as training feeds it: every tree at its own pace, and a new tree admitted
+    whenever the engine has room for more sequences than it runs or holds waiting (`engine.stats()`'s `open_sequences`
+    below its `max_sequences`), so the batch stays full without piling up trees; or, with `in_flight` > 0, whenever
+    fewer than that many trees are growing."""
+
+    def __init__(
+        self,
+        source: Iterable[Grower],
+        engine: Engine,
+        params: SamplingParams | None = None,
+        stop_at_eos: bool = True,
+        progress: Progress | Any | None = None,
+        in_flight: int = 0,
+    ):
+        if in_flight < 0:
+            raise ValueError(f"in_flight must be >= 0, got {in_flight}")
+        self._source = iter(source)
+        self._next: Grower | None = next(self._source, None)
+        self.in_flight = in_flight
+        super().__init__([], engine, params, stop_at_eos, progress)
+        start = time.perf_counter()
+        self._after_step()
+        self.busy_s += time.perf_counter() - start
+
+    def _room(self) -> bool:
+        if self.in_flight:
+            return self.left < self.in_flight
+        s = self.engine.stats()
+        return s["open_sequences"] < s["max_sequences"]
+
+    def _after_step(self) -> None:
+        while self._next is not None and (self._room() or not self.left):
+            g, self._next = self._next, next(self._source, None)
+            self._add([g])
 
 
 def grow(

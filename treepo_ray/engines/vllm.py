@@ -87,6 +87,16 @@ class _Counters:
     """vLLM scheduler's own prefix-cache lookups, in tokens."""
     scheduler_cache_hits: int = 0
     """vLLM scheduler's own prefix-cache hits, in tokens."""
+    steps: int = 0
+    """Scheduler iterations that sampled tokens."""
+    step_sequences: int = 0
+    """Sequences that sampled a token, summed over those iterations (mean batch = step_sequences / steps)."""
+    steps_at_cap: int = 0
+    """Iterations whose batch held max_num_seqs sequences."""
+    max_sequences: int = 0
+    """vLLM's max_num_seqs (the batch's cap)."""
+    open_sequences: int = 0
+    """Children of running or waiting requests not yet finished (the `open_sequences` gauge of stats())."""
 
 
 def _make_stat_logger(counters: _Counters):
@@ -95,7 +105,7 @@ def _make_stat_logger(counters: _Counters):
 
     class _CounterLogger(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):  # noqa: ARG002 (signature fixed by vLLM)
-            pass
+            counters.max_sequences = vllm_config.scheduler_config.max_num_seqs
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if iteration_stats is not None:
@@ -104,6 +114,10 @@ def _make_stat_logger(counters: _Counters):
                 counters.cached_tokens += prompt.cached_tokens
                 counters.prefill_tokens += prompt.computed
                 counters.generated_tokens += iteration_stats.num_generation_tokens
+                if iteration_stats.num_generation_tokens:
+                    counters.steps += 1
+                    counters.step_sequences += iteration_stats.num_generation_tokens
+                    counters.steps_at_cap += iteration_stats.num_generation_tokens >= counters.max_sequences
             if scheduler_stats is not None:
                 counters.scheduler_cache_queries += scheduler_stats.prefix_cache_stats.queries
                 counters.scheduler_cache_hits += scheduler_stats.prefix_cache_stats.hits
@@ -225,6 +239,9 @@ class VLLMEngine:
         # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode.
         self._padding_bias = padding_mask(self.info.tokenizer_vocab, self.info.model_vocab)
         self._pending: dict[str, SegmentRequest] = {}
+        self.segment_align: int = self._engine.vllm_config.cache_config.block_size
+        """What growers' `segment_align` should be for this engine (PathLimits): vLLM caches whole KV blocks
+        only, so a child whose prefix ends inside a block recomputes that block's part."""
         self._version = 0
         self._engine.set_weight_version("0")
         self._broken_update: str | None = None
@@ -260,6 +277,7 @@ class VLLMEngine:
             )
             self._engine.add_request(req.request_id, {"prompt_token_ids": list(req.prefix_ids)}, params)
             self._pending[req.request_id] = req
+            self._counters.open_sequences += params.n
         self._counters.time_add_s += time.perf_counter() - start
 
     def _check_request(self, req: SegmentRequest) -> None:
@@ -295,6 +313,7 @@ class VLLMEngine:
             req = self._pending.pop(out.request_id)
             children = [self._segment(c) for c in sorted(out.outputs, key=lambda c: c.index)]
             self._counters.sequences += len(children)
+            self._counters.open_sequences -= len(children)
             if req.params.temperature == 0 and len(children) == 1:
                 children += [replace(children[0]) for _ in range(req.n - 1)]
             if len(children) != req.n:
@@ -352,6 +371,11 @@ class VLLMEngine:
             "scheduler_cache_queries": c.scheduler_cache_queries,
             "scheduler_cache_hits": c.scheduler_cache_hits,
             "running": len(self._pending),
+            "open_sequences": c.open_sequences,
+            "max_sequences": c.max_sequences,
+            "steps": c.steps,
+            "step_sequences": c.step_sequences,
+            "steps_at_cap": c.steps_at_cap,
             "weights_version": self._version,
             "time_add_s": c.time_add_s,
             "time_step_s": c.time_step_s,

@@ -87,9 +87,17 @@ class PathLimits:
     """Characters of the repeated substring looked for in each new segment's text (0 = no repetition check)."""
     repetition_min_count: int = 8
     """Occurrences (overlaps counted) of that substring that end the path as 'repetition' (0 = no check)."""
+    segment_align: int = 0
+    """Put segment ends on an engine's KV-cache block boundaries (vLLM: its block_size; 0 = off): the first segment
+    is cut or extended, by at most half of this, so that the prefix after it is 1 past a multiple of this, and the
+    last segment (at max_depth) gives or takes the difference. With segment_len a multiple of it, every child's
+    prefix then lies in whole cached blocks but for the parent's last sampled token, so vLLM recomputes none of it."""
 
     def check_limits(self) -> None:
         name = type(self).__name__
+        if self.segment_align < 0 or (self.segment_align and self.segment_len % self.segment_align):
+            raise ValueError(f"{name}.segment_align {self.segment_align} must be 0 or divide segment_len "
+                             f"{self.segment_len}")
         if self.max_response_len is not None and self.max_response_len < 0:
             raise ValueError(f"{name}.max_response_len must be >= 0, got {self.max_response_len}")
         if self.repetition_substr_len < 0 or self.repetition_min_count < 0:
@@ -138,7 +146,8 @@ class StopRules:
             return "max_length", boxed
         if tree.depth[node] >= self.max_depth:
             return "max_depth", boxed
-        if has_repetition(decode(tree.tokens[node]), self.repetition_substr_len, self.repetition_min_count):
+        if (self.repetition_substr_len and self.repetition_min_count  # off: no need to decode the segment
+                and has_repetition(decode(tree.tokens[node]), self.repetition_substr_len, self.repetition_min_count)):
             return "repetition", boxed
         return "none", boxed
 
@@ -181,6 +190,8 @@ class Grower:
         self._holds_box: dict[int, bool] = {}
         self._finished: list[int] = []  # trajectory ends in the order they were registered
         self._done = False
+        self.align = 0
+        """Segment alignment (PathLimits.segment_align); subclasses set it before their first ask."""
         self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "surplus_dropped": 0}
         for reason in FINISH_REASONS[1:]:
             self._stats[f"finish/{reason}"] = 0
@@ -251,6 +262,11 @@ class Grower:
         left = self.rules.max_response_len - len(self.tree.response_ids(node))
         if n < 1 or left < 1:
             raise AssertionError(f"bug: ask for {n} children of node {node} with {left} tokens left")
+        if self.align:  # see PathLimits.segment_align; the children's depth decides
+            past = (len(self.tree.prompt_ids) + segment_len - 1) % self.align
+            extend = -past if 2 * past <= self.align else self.align - past  # to the nearest boundary
+            depth = self.tree.depth[node] + 1
+            segment_len += extend * ((depth == 1) - (depth == self.rules.max_depth))
         seed = int(np.random.SeedSequence([self.seed, self._counter]).generate_state(1)[0] & 0x7FFFFFFF)
         ask = Ask(f"{self.tree.query_id}/{self._counter}", int(node), int(n), int(min(segment_len, left)), seed)
         self._counter += 1

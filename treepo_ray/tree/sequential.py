@@ -35,6 +35,7 @@ class SequentialGrower(Grower):
     ):
         super().__init__(tree, cfg.stop_rules(), eos_token_id=eos_token_id, decode=decode, seed=seed)
         self.cfg = cfg
+        self.align = cfg.segment_align
         self._ask(0, cfg.group_size, cfg.segment_len)
 
     def _grow(self, ask: Ask, nodes: list[int]) -> None:

@@ -138,6 +138,7 @@ class TreePOGrower(Grower):
     ):
         super().__init__(tree, cfg.stop_rules(), eos_token_id=eos_token_id, decode=decode, seed=seed)
         self.cfg = cfg
+        self.align = cfg.segment_align
         self._round: list[int] = []
         self.history: list[BudgetStep] = []
         if cfg.init_divergence_min is not None:

@@ -23,7 +23,7 @@ import torch
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
 from treepo_ray.engines.hf.cache import Entry, NodeCache
 from treepo_ray.engines.hf.model import Decoder, load_model
-from treepo_ray.engines.hf.sampler import sample, uniforms
+from treepo_ray.engines.hf.sampler import kind_of, sample, uniforms
 from treepo_ray.tree import Segment
 
 
@@ -40,6 +40,8 @@ class _Req:
     version: int
     need: int
     """Buffer positions one child may use: len(prefix) + max_new_tokens."""
+    kind: str = "mixed"
+    """What its sampling parameters ask of the sampler (sampler.KINDS)."""
     children: list[Segment | None] = field(default_factory=list)
     left: int = 0
 
@@ -66,6 +68,9 @@ _COUNTERS = (
     "cached_tokens",
     "recomputed_tokens",
     "uncached_segments",
+    "steps",
+    "step_sequences",
+    "steps_at_cap",
 )
 _TIMERS = ("admit", "prefill", "decode", "sample", "branch", "bookkeeping")
 
@@ -122,9 +127,12 @@ class HFEngine:
         self._rng = random.Random(seed)  # seeds of requests that give none
         self._cache = NodeCache(max_cache_tokens)
         self._kv = self.decoder.new_buffer(0, 0)
+        self._positions = torch.arange(0)  # 0..buffer length - 1, for masks
+        self._mask_values: tuple[torch.Tensor, ...] = ()  # (0, -inf) in the KV dtype
         self._pending: deque[SegmentRequest] = deque()
         self._rows: list[_Row] = []
         self._reserved_tokens = 0
+        self._sequences = 0  # children not yet finished, of running and waiting requests
         self._done: list[SegmentResult] = []
         self._ids: set[str] = set()
         self._stats = dict.fromkeys(_COUNTERS, 0)
@@ -142,6 +150,7 @@ class HFEngine:
         for r in requests:
             self._ids.add(r.request_id)
             self._pending.append(r)
+            self._sequences += r.n
 
     def has_unfinished(self) -> bool:
         return bool(self._pending or self._rows or self._done)
@@ -168,6 +177,8 @@ class HFEngine:
         out["cache_tokens"] = self._cache.tokens
         out["running"] = len(self._rows)
         out["pending"] = len(self._pending)
+        out["open_sequences"] = self._sequences
+        out["max_sequences"] = self.max_batch_size
         out["weights_version"] = self.weights_version
         out.update({f"time_{k}_s": v for k, v in self._times.items()})
         return out
@@ -202,8 +213,9 @@ class HFEngine:
         p = r.params
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
             raise ValueError(f"{where}: bad sampling params {p}")
-        bad = [t for t in r.prefix_ids if not 0 <= t < self.decoder.embed.shape[0]]
-        if bad:
+        vocab = self.decoder.embed.shape[0]
+        if min(r.prefix_ids) < 0 or max(r.prefix_ids) >= vocab:
+            bad = [t for t in r.prefix_ids if not 0 <= t < vocab]
             raise ValueError(f"{where}: prefix token ids {bad[:5]} are outside the embedding")
         need = len(r.prefix_ids) + r.max_new_tokens
         if need > self.decoder.max_positions:
@@ -254,6 +266,7 @@ class HFEngine:
         req = _Req(r, cached, base, new_base, [seed + j for j in range(r.n)], self.weights_version,
                    P + r.max_new_tokens)
         req.children, req.left = [None] * r.n, r.n
+        req.kind = kind_of(r.params.temperature, r.params.top_k, r.params.top_p)
         if new_base is not None and new_base[1] is not None:
             self._cache.pin(new_base[1], 1)  # the revived entry will chain to this ancestor
         return req
@@ -315,7 +328,7 @@ class HFEngine:
         if Bd:
             pos = [r.pos for r in rows[:Bd]]
             T = max(pos) + 1
-            ids = torch.tensor([[r.feed[0]] for r in rows[:Bd]], device=self.device)
+            ids = torch.tensor([r.feed[0] for r in rows[:Bd]], device=self.device)[:, None]
             pos_t = torch.tensor(pos, device=self.device)
             mask = self._mask(pos_t[:, None], T)
             logits.append(self.decoder.forward(self._kv, 0, ids, pos_t[:, None], mask, None))
@@ -334,35 +347,40 @@ class HFEngine:
             logits.append(self.decoder.forward(self._kv, Bd, ids, pos_t, mask, last))
             t = self._tick("prefill", t)
         fed = [len(r.feed) for r in rows]
-        for r, n_fed in zip(rows, fed):
-            if r.child < 0:
-                self._stats["prefill_tokens"] += n_fed
-            else:
-                self._stats["decode_tokens"] += 1
+        children = sum(r.child >= 0 for r in rows)  # each fed one token
+        self._stats["decode_tokens"] += children
+        self._stats["prefill_tokens"] += sum(fed) - children
         self._stats["forward_tokens"] += sum(fed)
 
         # Sample: a leader draws one token per child from its logits.
         counts = [r.req.req.n if r.child < 0 else 1 for r in rows]
-        seeds, counters, params = [], [], []
-        for r, c in zip(rows, counts):
+        seeds, counters = [], []
+        for r in rows:
             if r.child < 0:
                 seeds.extend(r.req.seeds)
-                counters.extend([0] * c)
+                counters.extend([0] * r.req.req.n)
             else:
                 seeds.append(r.req.seeds[r.child])
                 counters.append(len(r.tokens))
-            params.extend([r.req.req.params] * c)
         all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
         if B != len(seeds):
             all_logits = all_logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
+        kinds = {r.req.kind for r in rows}
+        kind = kinds.pop() if len(kinds) == 1 else "plain" if kinds == {"unit", "plain"} else "mixed"
+        params = [r.req.req.params for r, c in zip(rows, counts) for _ in range(c)] if kind != "unit" else []
+        tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
         tokens, logps = sample(
             all_logits,
-            torch.tensor([p.temperature for p in params], device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], device=self.device),
+            tensor([p.temperature for p in params]) if kind in ("plain", "mixed") else None,
+            tensor([p.top_k for p in params]) if kind == "mixed" else None,
+            tensor([p.top_p for p in params]) if kind == "mixed" else None,
             torch.from_numpy(uniforms(seeds, counters)).to(self.device, torch.float32),
+            kind,
         )
         tokens, logps = tokens.tolist(), logps.tolist()
+        self._stats["steps"] += 1
+        self._stats["step_sequences"] += len(seeds)
+        self._stats["steps_at_cap"] += len(seeds) >= self.max_batch_size
         t = self._tick("sample", t)
 
         # Advance rows; fork leaders into their children (child 0 keeps the leader's row).
@@ -400,9 +418,12 @@ class HFEngine:
 
     def _mask(self, pos: torch.Tensor, T: int) -> torch.Tensor:
         """Additive attention mask [B, 1, Q, T]: query at position p sees positions <= p."""
-        see = torch.arange(T, device=self.device)[None, None, :] <= pos[:, :, None]
-        zero = torch.zeros((), dtype=self._kv.dtype, device=self.device)
-        return torch.where(see, zero, torch.tensor(float("-inf"), dtype=self._kv.dtype, device=self.device))[:, None]
+        if self._positions.shape[0] < T:  # built once per buffer length (small ops add up at narrow batches)
+            self._positions = torch.arange(self._kv.shape[4], device=self.device)
+            self._mask_values = tuple(torch.tensor(v, dtype=self._kv.dtype, device=self.device)
+                                      for v in (0.0, float("-inf")))
+        see = self._positions[None, None, :T] <= pos[:, :, None]
+        return torch.where(see, *self._mask_values)[:, None]
 
     def _append(self, row: _Row, token: int, logp: float, finished: list[int], index: int) -> None:
         row.tokens.append(token)
@@ -450,6 +471,7 @@ class HFEngine:
                 self._cache.unpin(q.base)
         q.children[row.child] = seg
         self._reserved_tokens -= q.need
+        self._sequences -= 1
         q.left -= 1
         if q.left == 0:
             self._done.append(SegmentResult(q.req.request_id, list(q.children), q.version))

@@ -1,12 +1,12 @@
 """The model forward of the hf engine: a Llama-family decoder run over rows of one preallocated KV buffer.
 
-Its own forward over the HF model's weights (Llama / Qwen2 / Mistral family: embedding, RMSNorm, rotary, q/k/v/o
-projections with optional biases, SwiGLU MLP, tied or untied lm_head), fused into one q|k|v and one gate|up matmul
-per layer. The HF modules' parameters become views into the fused tensors, so a plain `load_state_dict` on the HF
-model updates both. The KV buffer is `[layers, 2, rows, kv_heads, T, head_dim]`: each running sequence owns a row,
-writes its new key/value in place and attends over a view up to the batch's current length (SDPA with native GQA
-and an additive mask for the shorter rows). Logits are cut to the tokenizer's vocabulary: padded embedding rows are
-never sampled.
+Its own forward over the HF model's weights (Llama / Qwen2 / Qwen3 / Mistral family: embedding, RMSNorm, rotary,
+q/k/v/o projections with optional biases, Qwen3's per-head RMSNorm of queries and keys before the rotary, SwiGLU MLP,
+tied or untied lm_head), fused into one q|k|v and one gate|up matmul per layer. The HF modules' parameters become
+views into the fused tensors, so a plain `load_state_dict` on the HF model updates both. The KV buffer is
+`[layers, 2, rows, kv_heads, T, head_dim]`: each running sequence owns a row, writes its new key/value in place and
+attends over a view up to the batch's current length (SDPA with native GQA and an additive mask for the shorter
+rows). Logits are cut to the tokenizer's vocabulary: padded embedding rows are never sampled.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -33,6 +33,10 @@ class _Layer:
     bgu: torch.Tensor | None
     wd: torch.Tensor
     bd: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    """Qwen3: RMSNorm weight [head_dim] applied to every query head before the rotary (None: no such norm)."""
+    k_norm: torch.Tensor | None = None
+    """Qwen3: the same for every key head."""
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,6 +120,8 @@ class Decoder:
                     bgu=bgu,
                     wd=wd,
                     bd=bd,
+                    q_norm=att.q_norm.weight if hasattr(att, "q_norm") else None,
+                    k_norm=att.k_norm.weight if hasattr(att, "k_norm") else None,
                 )
             )
         # Rotary table for every position, from the model's own rotary module (so rope scaling is exactly HF's).
@@ -126,6 +132,7 @@ class Decoder:
         half = self.head_dim // 2
         self.cos = cos[0].to(self.embed.dtype)
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(self.embed.dtype)
+        self._layer_kv: tuple = (None, [])
 
     def new_buffer(self, rows: int, length: int) -> torch.Tensor:
         # Zeros, not empty: masked positions are still multiplied (by a zero weight), and stale memory may hold NaN.
@@ -154,12 +161,18 @@ class Decoder:
         sin = self.sin[pos].unsqueeze(2)
         D = self.hidden
         x = F.embedding(ids.reshape(-1), self.embed)  # [B*Q, D]: every linear is one 2-D matmul
+        if self._layer_kv[0] is not kv:  # each layer's key and value views, made once per buffer
+            self._layer_kv = (kv, [(kv[i, 0], kv[i, 1]) for i in range(len(self.layers))])
+        layer_kv = self._layer_kv[1]
         for i, ly in enumerate(self.layers):
             h = F.rms_norm(x, (D,), ly.ln1, self.eps)
             qkv = _linear(h, ly.wqkv, ly.bqkv).view(B, Q, H + 2 * KV, hd)
             qk = qkv[:, :, : H + KV]
-            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
-            keys, values = kv[i, 0], kv[i, 1]
+            if ly.q_norm is not None:  # Qwen3: each head's query and key RMS-normed over head_dim
+                qk = torch.cat([F.rms_norm(qk[:, :, :H], (hd,), ly.q_norm, self.eps),
+                                F.rms_norm(qk[:, :, H:], (hd,), ly.k_norm, self.eps)], dim=2)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin  # roll by half = cat(second half, first half)
+            keys, values = layer_kv[i]
             keys[rows, :, pos] = qk[:, :, H:]
             values[rows, :, pos] = qkv[:, :, H + KV :]
             k_view, v_view = keys[row0 : row0 + B, :, :T], values[row0 : row0 + B, :, :T]

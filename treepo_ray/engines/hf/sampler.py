@@ -23,50 +23,98 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
+_M64 = (1 << 64) - 1
+_SMALL = 32
+"""Below this many draws, plain Python integers beat numpy's per-call overhead (same bits either way)."""
+
+
+def _mix64_int(x: int) -> int:
+    """_mix64 on one Python int (wrapped to 64 bits)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 def uniforms(seeds: list[int], counters: list[int]) -> np.ndarray:
     """One uniform number in [0, 1) per (seed, counter): a counter-based random stream per sequence."""
+    if len(seeds) < _SMALL:
+        return np.array([(_mix64_int(_mix64_int(seed & _M64) ^ _mix64_int((c + 0x632BE59BD9B4E019) & _M64)) >> 11)
+                         * (1.0 / (1 << 53)) for seed, c in zip(seeds, counters)], dtype=np.float64)
     s = np.array([seed & 0xFFFFFFFFFFFFFFFF for seed in seeds], dtype=np.uint64)
     c = np.array(counters, dtype=np.uint64)
     bits = _mix64(_mix64(s) ^ _mix64(c + _U64(0x632BE59BD9B4E019)))
     return (bits >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+KINDS = ("greedy", "unit", "plain", "mixed")
+"""What a batch's rows ask of the sampler, known to the caller without looking at tensors: 'greedy' (every row at
+temperature 0), 'unit' (every row at temperature 1, no top-k / top-p), 'plain' (every row at a temperature > 0,
+no top-k / top-p) or 'mixed' (anything else). The fast paths compute exactly what the general one does."""
+
+
+def kind_of(temperature: float, top_k: int, top_p: float) -> str:
+    """The sampler kind of one row's parameters."""
+    if temperature == 0:
+        return "greedy"
+    if top_k > 0 or top_p < 1:
+        return "mixed"
+    return "unit" if temperature == 1 else "plain"
+
+
 def sample(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
+    temperature: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
     u: torch.Tensor,
+    kind: str = "mixed",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of `logits` [N, V]; return (tokens, their log-probs at the row's temperature).
 
     Per row: temperature 0 is greedy; otherwise softmax(logits / temperature), restricted to the top_k most likely
     tokens (0 = all), then to the smallest set of them whose mass reaches top_p, renormalised; the token is the
-    inverse CDF at `u` (uniform in [0, 1)).
+    inverse CDF at `u` (uniform in [0, 1)). `kind` (KINDS) lets the common batches skip work: 'greedy' and 'unit'
+    need none of the parameter tensors, 'plain' only `temperature`.
     """
     logits = logits.float()
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    z = logits / t[:, None]
+    if kind in ("greedy", "unit"):
+        z = logits  # temperature 0 rows score their token at temperature 1, as in the general path
+    else:
+        t = temperature if kind == "plain" else torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        z = logits / t[:, None]
     logp = torch.log_softmax(z, dim=-1)
+    if kind == "greedy":
+        tokens = logits.argmax(dim=-1)
+    elif kind in ("unit", "plain"):
+        cdf = torch.softmax(z, dim=-1).cumsum(dim=-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        tokens = pick.clamp_(max=z.shape[-1] - 1)
+    else:
+        tokens = _sample_mixed(logits, temperature, top_k, top_p, u)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _sample_mixed(logits, temperature, top_k, top_p, u) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
-        tokens = greedy
+        return greedy
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = logits / t[:, None]
+    V = z.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        z, order = z.sort(dim=-1, descending=True)
+        probs = torch.softmax(z, dim=-1)
+        ranks = torch.arange(V, device=z.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+        probs = probs * (ranks[None] < k[:, None])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Keep a token while the mass before it is below top_p: the first token is always kept.
+        probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p[:, None])
+        cdf = probs.cumsum(dim=-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+        tokens = order.gather(1, pick[:, None])[:, 0]
     else:
-        V = z.shape[-1]
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            z, order = z.sort(dim=-1, descending=True)
-            probs = torch.softmax(z, dim=-1)
-            ranks = torch.arange(V, device=z.device)
-            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
-            probs = probs * (ranks[None] < k[:, None])
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-            # Keep a token while the mass before it is below top_p: the first token is always kept.
-            probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p[:, None])
-            cdf = probs.cumsum(dim=-1)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
-            tokens = order.gather(1, pick[:, None])[:, 0]
-        else:
-            cdf = torch.softmax(z, dim=-1).cumsum(dim=-1)
-            tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
-        tokens = torch.where(temperature > 0, tokens, greedy)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        cdf = torch.softmax(z, dim=-1).cumsum(dim=-1)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+    return torch.where(temperature > 0, tokens, greedy)

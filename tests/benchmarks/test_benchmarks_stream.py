@@ -1,0 +1,39 @@
+"""`treepo-ray bench stream` end to end on a very small model it builds itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treepo_ray.cli import main as cli
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--width", "4", "--depth", "3",
+        "--segment-len", "4", "--warmup-prompts", "1", "--no-progress"]
+
+
+def test_stream_reports_both_modes_through_a_capped_batch(tmp_path, capsys):
+    out = tmp_path / "stream.json"
+    assert cli(["bench", "stream", *TINY, "--prompts", "6", "--max-batch-size", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"][:3] == ["treepo-ray", "bench", "stream"]
+    hf = report["engines"]["hf"]
+    seq, tree = hf["sequential"], hf["tree"]
+    for m in (seq, tree):
+        assert m["trajectories"] == 6 * 4 and m["traj_per_s"] > 0
+        assert 1 <= m["mean_batch"] <= 8 and 0 <= m["at_cap"] <= 1 and m["steps"] > 0
+    assert seq["generated_tokens"] == 6 * 4 * 12  # every path runs its whole budget
+    # Width 4 from 2 root children: 2 + 4 + 4 segments of 4 tokens per prompt.
+    assert tree["generated_tokens"] == 6 * 10 * 4
+    assert seq["at_cap"] > 0.5  # two prompts of 4 paths fill the 8 rows while the stream lasts
+    r = hf["ratios"]
+    assert r["token_bound"] == seq["forward_tokens"] / tree["forward_tokens"]
+    assert r["speedup"] == pytest.approx(tree["traj_per_s"] / seq["traj_per_s"])
+    assert r["speedup_over_bound"] == pytest.approx(r["speedup"] / r["token_bound"])
+    assert "speedup/bound" in capsys.readouterr().out
+
+
+def test_stream_rejects_a_width_over_the_cap():
+    assert cli(["bench", "stream", *TINY, "--width", "16", "--max-batch-size", "8"]) == 2
