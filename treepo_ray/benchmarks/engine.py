@@ -68,12 +68,11 @@ REFERENCE = "hf_generate"
 """The reference mode: Hugging Face generate, i.i.d. (see HFGenerate)."""
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="treepo-ray bench", description=__doc__.split("\n\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The options the engine and stream benches share: engines, tree shape, sampling and the built model."""
     p.add_argument("--model", help="HF model directory (default: build a random tiny Qwen2 in a temp dir)")
     p.add_argument("--engine", default="hf", help="comma-separated engine names (treepo_ray.engines.ENGINES)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", type=int, default=8, help="number of prompts (cycled from a built-in list)")
     p.add_argument("--width", type=int, default=16, help="trajectories per prompt (w)")
     p.add_argument("--depth", type=int, default=8, help="max depth (segments per path) of the tree")
     p.add_argument("--segment-len", type=int, default=32, help="tokens per segment")
@@ -81,22 +80,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode and config (the fastest is kept)")
-    p.add_argument("--sweep", action="store_true", help=f"run depth x segment configs {SWEEP} (same budget)")
-    p.add_argument("--budget", type=int, default=256, help="response tokens per path in --sweep (depth x segment)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--plot-dir", help="where --sweep saves its PNG plots (default: beside --json, else .)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size of the built tiny model")
     p.add_argument("--layers", type=int, default=4, help="layers of the built tiny model")
     p.add_argument("--heads", type=int, default=8, help="attention heads of the built tiny model")
     p.add_argument("--kv-heads", type=int, default=1, help="key/value heads of the built tiny model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="treepo-ray bench", description=__doc__.split("\n\n")[0])
+    add_workload_args(p)
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts (cycled from a built-in list)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode and config (the fastest is kept)")
+    p.add_argument("--sweep", action="store_true", help=f"run depth x segment configs {SWEEP} (same budget)")
+    p.add_argument("--budget", type=int, default=256, help="response tokens per path in --sweep (depth x segment)")
+    p.add_argument("--plot-dir", help="where --sweep saves its PNG plots (default: beside --json, else .)")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 is steadiest when other processes share the cores; 0 = torch default)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reference", action="store_true",
                    help=f"skip the reference mode ({REFERENCE}: Hugging Face generate, i.i.d.)")
-    p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 

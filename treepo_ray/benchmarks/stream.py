@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from treepo_ray.benchmarks.engine import MODES, PROMPTS, _jsonable, build_model, make_growers
+from treepo_ray.benchmarks.engine import MODES, PROMPTS, _jsonable, add_workload_args, build_model, make_growers
 from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams
 from treepo_ray.engines.driver import StreamLoop
@@ -40,29 +40,13 @@ from treepo_ray.engines.driver import StreamLoop
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="treepo-ray bench stream", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF model directory (default: build the engine bench's random Qwen2)")
-    p.add_argument("--engine", default="hf", help="comma-separated engine names (treepo_ray.engines.ENGINES)")
-    p.add_argument("--device", default="cpu")
+    add_workload_args(p)
     p.add_argument("--prompts", type=int, default=64, help="prompts in the stream")
     p.add_argument("--max-batch-size", type=int, default=128, help="the engine's cap on sequences run at once")
     p.add_argument("--in-flight", type=int, default=0,
                    help="prompts growing at once (0 = admit whenever the engine has room)")
-    p.add_argument("--width", type=int, default=16, help="trajectories per prompt (w)")
-    p.add_argument("--depth", type=int, default=8, help="max depth (segments per path) of the tree")
-    p.add_argument("--segment-len", type=int, default=32, help="tokens per segment")
-    p.add_argument("--init-divergence", type=int, default=2, help="children of the root (2 = binary)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--warmup-prompts", type=int, default=8, help="prompts of the untimed warm-up stream")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size of the built tiny model")
-    p.add_argument("--layers", type=int, default=4, help="layers of the built tiny model")
-    p.add_argument("--heads", type=int, default=8, help="attention heads of the built tiny model")
-    p.add_argument("--kv-heads", type=int, default=1, help="key/value heads of the built tiny model")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
