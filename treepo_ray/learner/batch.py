@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treepo_ray.tree.tree import root_path
+
 Advantage = float | list[float]
 """Of one trajectory: one number for its whole response, or one per response token."""
 
@@ -55,11 +57,7 @@ class TrainTree:
 
     def path(self, node: int) -> list[int]:
         """Node ids from the first generated segment down to `node` (root excluded)."""
-        out = []
-        while node > 0:
-            out.append(node)
-            node = self.parent[node]
-        return out[::-1]
+        return root_path(self.parent, node)
 
     def response_length(self, node: int) -> int:
         return sum(len(self.tokens[n]) for n in self.path(node))

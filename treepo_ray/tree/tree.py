@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 FINISH_REASONS = ("none", "eos", "boxed", "repetition", "max_length", "max_depth")
 
 
+def root_path(parent: list[int], node: int) -> list[int]:
+    """Node ids from the first generated segment down to `node` (root, id 0, excluded) in a parent array."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = parent[node]
+    return out[::-1]
+
+
 @dataclass
 class Tree:
     """One prompt's tree. Lists are indexed by node id; node 0 is the prompt."""
@@ -67,11 +76,7 @@ class Tree:
 
     def path(self, node: int) -> list[int]:
         """Node ids from the first generated segment down to `node` (root excluded)."""
-        out = []
-        while node > 0:
-            out.append(node)
-            node = self.parent[node]
-        return out[::-1]
+        return root_path(self.parent, node)
 
     def response_ids(self, node: int) -> list[int]:
         """Generated token ids from the root to the end of `node`."""
