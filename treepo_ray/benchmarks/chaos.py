@@ -17,7 +17,7 @@ weights published), so the bench runs max_staleness = 0 unless told otherwise: a
 weights of the step before it, in both runs. `versions` in the JSON shows them when the runs differ.
 
 JSON: `faults` (kills per kind, and every fault/* count of the chaos run), `trajectories_lost` (trajectories the
-clean run trained and the chaos run did not, over all steps), `identical`, `wall_time_ratio` (chaos / clean
+clean run trained and the chaos run did not, over all steps), `identical`, `loss_max_abs_diff`, `wall_time_ratio` (chaos / clean
 training-loop wall time), and the details.
 """
 
@@ -64,8 +64,11 @@ def compare(clean: dict, chaos: dict) -> dict:
     lost = sum(max(0, a["trajectories"] - b["trajectories"]) for a, b in zip(clean["rows"], chaos["rows"]))
     lost += sum(row["trajectories"] for row in clean["rows"][len(chaos["rows"]):])  # steps the chaos run never did
     lost += int(chaos["faults"].get("fault/verifier_failures", 0))
+    # With learner.off_policy=behaviour the loss uses the engines' sampled log-probs, which a re-sent request on
+    # another engine (another batch shape) reproduces only to float rounding: how far apart the losses are says so.
+    diffs = [abs(a - b) for a, b in zip(column(clean, "loss"), column(chaos, "loss")) if a is not None and b is not None]
     return {"identical": all(same.values()) and clean["steps"] == chaos["steps"],
-            "same": same, "trajectories_lost": lost,
+            "same": same, "trajectories_lost": lost, "loss_max_abs_diff": max(diffs, default=0.0),
             "versions": {"clean": column(clean, "version"), "chaos": column(chaos, "version")}}
 
 
@@ -86,11 +89,13 @@ def run(cfg: TrainConfig, steps: int, every: float, kinds: list[str]) -> dict:
     ratio = chaos["wall_s"] / clean["wall_s"]
     kills = {kind: int(chaos["faults"].get(f"fault/chaos_kills_{kind}", 0)) for kind in kinds}
     print(f"chaos (one of {', '.join(kinds)} killed every {every:g} s, kills {kills}): {ratio:.2f}x the wall time; "
-          f"identical {verdict['identical']} {verdict['same']}, trajectories lost {verdict['trajectories_lost']}")
+          f"identical {verdict['identical']} {verdict['same']} (loss max abs diff {verdict['loss_max_abs_diff']:.2e}), "
+          f"trajectories lost {verdict['trajectories_lost']}")
     return {"kill": list(kinds), "every_s": every, "steps": steps, "algorithm": cfg.algo.name,
             "num_engines": cfg.runtime.num_engines, "max_staleness": cfg.runtime.max_staleness,
             "faults": {**kills, **chaos["faults"]}, "trajectories_lost": verdict["trajectories_lost"],
-            "identical": verdict["identical"], "same": verdict["same"], "wall_time_ratio": ratio,
+            "identical": verdict["identical"], "same": verdict["same"],
+            "loss_max_abs_diff": verdict["loss_max_abs_diff"], "wall_time_ratio": ratio,
             "clean_wall_s": clean["wall_s"], "chaos_wall_s": chaos["wall_s"],
             "trajectories": {k: sum(row["trajectories"] for row in v["rows"]) for k, v in results.items()},
             "versions": verdict["versions"]}
