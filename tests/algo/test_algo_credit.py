@@ -91,7 +91,10 @@ def test_tree_metrics_shared_prefix_share_and_stops():
     assert m["tree/shared_prefix_share"] == pytest.approx(1 - 18 / 22)
     assert m["rollout/reward"] == pytest.approx(2 / 6)
     assert m["rollout/accuracy"] == pytest.approx(2 / 6)
-    assert m["tree/stop_eos"] == 4 and m["tree/depth_max"] == 2
+    assert m["tree/depth_max"] == 2
+    # growth counters are this batch's totals (a tree without growth statistics counts nothing)
+    assert m["growth/stop_eos"] == 4 and m["growth/branches"] == 3 and m["growth/fallbacks"] == 1
+    assert m["growth/budget_transfers"] == 0 and m["growth/stop_boxed"] == 0
     assert m["rollout/response_len"] == pytest.approx(22 / 6)
     assert tree_metrics([]) == {}
 

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow  # builds and trains models
 
 # A few steps of a very small model: tests the recipe's plumbing, not its accuracy (the real run takes minutes).
 SMALL = PretrainConfig(
-    task=SyntheticTaskConfig(digits=2, noise=0.5),
+    task="synthetic_addition",
+    addition=SyntheticTaskConfig(digits=2, noise=0.5),
+    max_len=64,
     model=TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                           max_positions=128),
     steps=6,
@@ -66,7 +68,7 @@ def test_pretrain_command(tmp_path, capsys):
             "model.num_heads=2", "model.num_kv_heads=1"]
     assert pretrain_main(args) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["model"] == str(tmp_path / "m") and 0.0 <= line["pass@1"] <= 1.0
+    assert line["model"] == str(tmp_path / "m") and 0.0 <= line["pass@1"] <= 1.0  # the default task: running sums
     with pytest.raises(ValueError, match="unknown key"):
         pretrain_main(["--out", str(tmp_path / "x"), "stepz=2"])
 
@@ -74,7 +76,7 @@ def test_pretrain_command(tmp_path, capsys):
 def test_eval_command_metrics_and_sweep(base_model, tmp_path):
     cache, path = base_model
     out = tmp_path / "ev"
-    argv = ["--model", str(path), "--cache-dir", str(cache), "--limit", "5", "--n", "4", "--k", "1,2,4,8",
+    argv = ["--model", str(path), "--data", "synthetic_addition", "--cache-dir", str(cache), "--limit", "5", "--n", "4", "--k", "1,2,4,8",
             "--max-new-tokens", "24", "--segment-len", "8", "--out", str(out), "--sweep-divergence", "1,2",
             "--sweep-rollouts", "1,2,4"]
     assert eval_main(argv) == 0
@@ -93,7 +95,8 @@ def test_eval_command_metrics_and_sweep(base_model, tmp_path):
 
 def test_eval_tree_sampler_and_greedy(base_model, tmp_path):
     cache, path = base_model
-    common = ["--model", str(path), "--cache-dir", str(cache), "--limit", "3", "--max-new-tokens", "16",
+    common = ["--model", str(path), "--data", "synthetic_addition", "--cache-dir", str(cache), "--limit", "3",
+              "--max-new-tokens", "16",
               "--segment-len", "8"]
     assert eval_main(common + ["--sampler", "treepo", "--n", "4", "--divergence", "2", "--out", str(tmp_path / "t")]) == 0
     assert json.loads((tmp_path / "t" / "eval.json").read_text())["settings"]["sampler"] == "treepo"

@@ -226,16 +226,20 @@ SYNTHETIC_TEST_ROWS = 500
 
 
 def synthetic_files(cache_dir: str | Path, seed: int = 0, n_train: int = SYNTHETIC_TRAIN_ROWS,
-                    n_test: int = SYNTHETIC_TEST_ROWS) -> tuple[Path, Path]:
-    """train.jsonl and test.jsonl of the default synthetic task under `cache_dir` (written once per setting)."""
-    from treepo_ray.data.synthetic import SyntheticTaskConfig, write_splits
+                    n_test: int = SYNTHETIC_TEST_ROWS, task: str = "synthetic") -> tuple[Path, Path]:
+    """train.jsonl and test.jsonl of the synthetic task `task` (data/synthetic.py TASKS) under `cache_dir` (written
+    once per setting)."""
+    import hashlib
 
-    task = SyntheticTaskConfig()
-    out = Path(cache_dir) / f"synthetic-d{task.digits}t{task.terms}-s{seed}-{n_train}-{n_test}"
+    from treepo_ray.data.synthetic import task_config, write_splits
+
+    cfg = task_config(task)
+    tag = hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]  # the task's settings name the folder
+    out = Path(cache_dir) / f"{task}-{tag}-s{seed}-{n_train}-{n_test}"
     train, test = out / "train.jsonl", out / "test.jsonl"
     if not (train.is_file() and test.is_file()):
         tmp = Path(str(out) + f".tmp{os.getpid()}")
-        write_splits(tmp, task, n_train, n_test, seed)
+        write_splits(tmp, cfg, n_train, n_test, seed)
         try:
             os.rename(tmp, out)
         except OSError:  # written meanwhile by another process
@@ -258,18 +262,21 @@ def _split_files(name: str) -> tuple[list[Path], list[Path]]:
         return train, test
     if path.is_file():
         return [path], []
-    raise ValueError(f"data.name = {name!r}: not 'synthetic', a dataset file, a folder or 'train,test' files")
+    raise ValueError(f"data.name = {name!r}: not a synthetic task ('synthetic', 'synthetic_addition'), a dataset "
+                     "file, a folder or 'train,test' files")
 
 
 def load_records(data_cfg, tokenizer, cache_dir: str | Path = ".cache/treepo-ray", cfg: DatasetConfig | None = None,
                  synthetic_rows: tuple[int, int] = (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS)
                  ) -> tuple[list[Prompt], list[Prompt]]:
-    """Training and held-out records of the dataset named by `data_cfg.name` (see `_split_files`), or of the
-    synthetic task (`name` 'synthetic': `synthetic_rows` problems seeded by `data_cfg.seed`, cached under
-    `cache_dir`)."""
+    """Training and held-out records of the dataset named by `data_cfg.name` (see `_split_files`), or of a
+    synthetic task (`name` 'synthetic' or 'synthetic_addition': `synthetic_rows` problems seeded by
+    `data_cfg.seed`, cached under `cache_dir`)."""
+    from treepo_ray.data.synthetic import TASKS
+
     name = str(data_cfg.name)
-    if name == "synthetic":
-        train, test = synthetic_files(cache_dir, int(getattr(data_cfg, "seed", 0)), *synthetic_rows)
+    if name in TASKS:
+        train, test = synthetic_files(cache_dir, int(getattr(data_cfg, "seed", 0)), *synthetic_rows, task=name)
         train_files, test_files = [train], [test]
     else:
         train_files, test_files = _split_files(name)

@@ -111,7 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="HF model directory (default: the tiny base model, built if needed)")
     p.add_argument("--data", default="synthetic",
-                   help="'synthetic', a .jsonl/.parquet file, a folder with train.*/test.*, or 'train,test' files")
+                   help="a synthetic task ('synthetic': running sums, 'synthetic_addition'), a .jsonl/.parquet "
+                        "file, a folder with train.*/test.*, or 'train,test' files")
     p.add_argument("--split", choices=("test", "train"), default="test", help="split of a two-split dataset")
     p.add_argument("--limit", type=int, default=200, help="evaluate the first N problems (0 = all)")
     p.add_argument("--cache-dir", default=".cache/treepo-ray", help="cache of the base model and synthetic data")
@@ -122,7 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--resamples", type=int, default=1000, help="random k-subsets averaged by major@k (k < n)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--segment-len", type=int, default=32)
     p.add_argument("--divergence", type=int, default=2, help="TreePO divergence factor of --sampler treepo")
     p.add_argument("--sweep-divergence", type=_ints, default=[], help="test-time scaling: divergence factors d")
@@ -150,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model)
     else:
-        from treepo_ray.data.pretrain import prepare_base_model
+        from treepo_ray.data.pretrain import base_model_config, prepare_base_model
 
-        model = prepare_base_model(args.cache_dir, seed=args.seed)
+        model = prepare_base_model(args.cache_dir, seed=args.seed, cfg=base_model_config(args.data))
     tokenizer = AutoTokenizer.from_pretrained(model)
     if Path(args.data).is_file():
         records = load_dataset(args.data, tokenizer).records

@@ -29,32 +29,40 @@ from pathlib import Path
 import torch
 
 from treepo_ray import config as config_io
-from treepo_ray.data.synthetic import Problem, SyntheticTaskConfig, make_problems, worked_solution
+from treepo_ray.data.chain import ChainTaskConfig
+from treepo_ray.data.synthetic import Problem, SyntheticTaskConfig, make_problems, pretrain_text, task_config
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
-from treepo_ray.rewards.synthetic import DATA_SOURCE, verify
+from treepo_ray.rewards.synthetic import verify
 
 FORMAT_VERSION = 1  # bump when the training recipe changes in a way the settings do not show, to refresh caches
 
 
 @dataclass
 class PretrainConfig:
-    """Settings of the base model's pretraining; their hash names the cache entry."""
+    """Settings of the base model's pretraining; their hash names the cache entry. The defaults are the default
+    task's (`base_model_config` gives each task's)."""
 
     seed: int = 0
     """Seed of the initial weights, the training problems, the noise and the evaluation problems."""
-    task: SyntheticTaskConfig = field(default_factory=lambda: SyntheticTaskConfig(noise=0.6))
-    """The task, with the carry-drop rate of the training text. Above 0.5, so the model learns to drop carries
-    more often than not: greedy decoding then drops them too and is as imperfect as sampling (measured: noise
-    0.3 gave pass@1 0.62 sampled but 0.995 greedy; 0.6 gives about 0.32 sampled and 0.14 greedy)."""
+    task: str = "synthetic"
+    """Which synthetic task (data/synthetic.py TASKS): 'synthetic' (running sums) or 'synthetic_addition'."""
+    chain: ChainTaskConfig = field(default_factory=ChainTaskConfig)
+    """The running-sum task and the imperfections of its training text (task 'synthetic')."""
+    addition: SyntheticTaskConfig = field(default_factory=lambda: SyntheticTaskConfig(noise=0.6))
+    """The addition task, with the carry-drop rate of its training text (task 'synthetic_addition'). Above 0.5, so
+    the model learns to drop carries more often than not: greedy decoding then drops them too and is as imperfect
+    as sampling (measured: noise 0.3 gave pass@1 0.62 sampled but 0.995 greedy; 0.6 about 0.32 and 0.14)."""
     model: TinyModelConfig = field(
         default_factory=lambda: TinyModelConfig(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
-                                                num_kv_heads=2, max_positions=256)
+                                                num_kv_heads=2, max_positions=768)
     )
     """Shape of the model (its seed is replaced by `seed`)."""
     steps: int = 1200
-    """Optimizer steps (the deterministic budget: about 1.5 minutes on a free core; the loss is flat after ~1000)."""
+    """Optimizer steps (the deterministic budget)."""
     batch_size: int = 32
-    """Worked solutions per step (fresh problems every step)."""
+    """Training texts per step (fresh problems every step)."""
+    max_len: int = 320
+    """Training texts are cut to this many tokens after the question (a rambling text is cut, without EOS)."""
     lr: float = 3e-3
     """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
     warmup_steps: int = 50
@@ -68,8 +76,24 @@ class PretrainConfig:
     """Held-out problems of the base evaluation."""
     eval_samples: int = 8
     """Samples per problem at temperature 1.0 (pass@1 = their mean accuracy)."""
-    eval_max_new_tokens: int = 96
+    eval_max_new_tokens: int = 256
     """Response length cap of the evaluation."""
+
+    def __post_init__(self) -> None:
+        task_config(self.task)  # raises on an unknown task
+
+    @property
+    def task_config(self) -> ChainTaskConfig | SyntheticTaskConfig:
+        return self.chain if self.task == "synthetic" else self.addition
+
+
+def base_model_config(task: str = "synthetic", seed: int = 0) -> PretrainConfig:
+    """The base model's settings for a synthetic task (`task` not one of them: the default task's)."""
+    if task == "synthetic_addition":  # short answers: a short context, and the budget measured for it
+        return PretrainConfig(seed=seed, task=task, steps=1200, max_len=64, eval_max_new_tokens=96,
+                              model=TinyModelConfig(hidden_size=128, intermediate_size=384, num_layers=2,
+                                                    num_heads=4, num_kv_heads=2, max_positions=256))
+    return PretrainConfig(seed=seed)
 
 
 def settings_hash(cfg: PretrainConfig) -> str:
@@ -85,13 +109,15 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _batch(problems: list[Problem], noise: float, rng: random.Random, tokenizer) -> tuple[torch.Tensor, ...]:
-    """Input ids, attention mask and labels of worked solutions; the loss covers the solution and EOS only."""
+def _batch(problems: list[Problem], cfg: PretrainConfig, rng: random.Random, tokenizer) -> tuple[torch.Tensor, ...]:
+    """Input ids, attention mask and labels of training texts; the loss covers the text after the question (and
+    its EOS) only."""
     rows, labels = [], []
     for p in problems:
         prompt = tokenizer(p.question, add_special_tokens=False).input_ids
-        answer = tokenizer(worked_solution(p, noise, rng), add_special_tokens=False).input_ids
-        answer.append(tokenizer.eos_token_id)
+        text, eos = pretrain_text(p, cfg.task_config, rng)
+        answer = tokenizer(text, add_special_tokens=False).input_ids + ([tokenizer.eos_token_id] if eos else [])
+        answer = answer[: cfg.max_len]
         rows.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
     width = max(len(r) for r in rows)
@@ -114,14 +140,14 @@ def train(out_dir: Path, cfg: PretrainConfig, log=print) -> None:
     model.train()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    problems = make_problems(cfg.steps * cfg.batch_size, cfg.task, cfg.seed, "train", unique=False)
+    problems = make_problems(cfg.steps * cfg.batch_size, cfg.task_config, cfg.seed, "train", unique=False)
     noise_rng = random.Random(f"{cfg.seed}/noise")
     start, ema = time.time(), None
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         chunk = problems[step * cfg.batch_size : (step + 1) * cfg.batch_size]
-        ids, mask, labels = _batch(chunk, cfg.task.noise, noise_rng, tokenizer)
+        ids, mask, labels = _batch(chunk, cfg, noise_rng, tokenizer)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -147,7 +173,7 @@ def evaluate_pass1(model_dir: Path, problems: list[Problem], samples: int, tempe
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = HFEngine(model_dir, num_threads=num_threads, seed=seed)
     records = [Prompt(p.id, tuple(tokenizer(p.question, add_special_tokens=False).input_ids), p.answer,
-                      DATA_SOURCE, p.question) for p in problems]
+                      p.data_source, p.question) for p in problems]
     # One segment per path: the whole response at once.
     settings = SampleSettings(n=samples, temperature=temperature, max_new_tokens=max_new_tokens,
                               segment_len=max_new_tokens, seed=seed)
@@ -165,7 +191,7 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig, log=print) -> dict:
         train(out_dir, cfg, log)
         train_s = time.time() - start
         log(f"evaluating on {cfg.eval_problems} held-out problems ...")
-        problems = make_problems(cfg.eval_problems, cfg.task, cfg.seed, "test")
+        problems = make_problems(cfg.eval_problems, cfg.task_config, cfg.seed, "test")
         sampled = evaluate_pass1(out_dir, problems, cfg.eval_samples, 1.0, cfg.eval_max_new_tokens, cfg.seed,
                                  cfg.num_threads)
         greedy = evaluate_pass1(out_dir, problems, 1, 0.0, cfg.eval_max_new_tokens, cfg.seed, cfg.num_threads)

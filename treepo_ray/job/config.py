@@ -13,6 +13,7 @@ from pathlib import Path
 from treepo_ray import config as config_io
 from treepo_ray.algo.catpo import score_tree
 from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
+from treepo_ray.algo.overlong import OverlongConfig, with_overlong_penalty
 from treepo_ray.data.datasets import DatasetConfig
 from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.job.logs import LogConfig
@@ -95,6 +96,12 @@ class AlgoConfig:
     """With dynamic sampling: at most this many extra rounds when too few prompts kept (then train on what is kept)."""
     treepo_weighting: str = "average"
     """TreePO subgroup aggregation: 'average' (paper default) or 'size'."""
+    treepo_root_group: bool = True
+    """TreePO: the whole prompt's group is one of each trajectory's levels (False = the paper's no-root ablation)."""
+    treepo_subgroup_rejection: bool = False
+    """TreePO: skip subgroups whose rewards are all equal (the paper's subgroup-level rejection ablation)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO's overlong reward buffer, applied to trajectory rewards before credit (algo/overlong.py)."""
     whiten_by_tokens: bool = True
     """TreePO: batch whitening weighted by each trajectory's token count (False = one weight per trajectory)."""
     grpo_scale: bool = True
@@ -129,10 +136,15 @@ class AlgoConfig:
         return self.dynamic_sampling
 
     def advantages(self, trees: list) -> list:
-        """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py)."""
+        """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py), from the rewards
+        with the overlong penalty when it is on."""
+        if self.overlong.enable:
+            trees = with_overlong_penalty(trees, self.overlong)
         return tree_advantages(trees, self.name, treepo_weighting=self.treepo_weighting,
                                whiten_by_tokens=self.whiten_by_tokens, grpo_scale=self.grpo_scale,
-                               treerpo_prune_range=self.treerpo_prune_range)
+                               treerpo_prune_range=self.treerpo_prune_range,
+                               treepo_root_group=self.treepo_root_group,
+                               treepo_subgroup_rejection=self.treepo_subgroup_rejection)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -232,8 +244,9 @@ class DataConfig:
     """The prompts: the synthetic task, or local dataset files (see treepo_ray.data.load_records)."""
 
     name: str = "synthetic"
-    """'synthetic' (the built-in addition task), a folder with train/test files, 'train.jsonl,test.jsonl', or one
-    file (then nothing is held out)."""
+    """A built-in task: 'synthetic' (running sums, several dependent steps: data/chain.py) or 'synthetic_addition'
+    (one addition, the easy task); or a folder with train/test files, 'train.jsonl,test.jsonl', or one file (then
+    nothing is held out). With model.path empty the tiny base model is pretrained for the built-in task named."""
     seed: int = 0
     """Seed of the synthetic task's problems and of the base model's pretraining."""
     shuffle: bool = True
@@ -373,6 +386,14 @@ class TrainConfig:
     """Steps, evaluation, checkpoints."""
     log: LogConfig = field(default_factory=LogConfig)
     """Logging sinks."""
+
+    def __post_init__(self) -> None:
+        overlong = self.algo.overlong
+        if overlong.enable and not overlong.max_len:  # the buffer ends at the sampler's response limit
+            overlong.max_len = self.sampler_config.response_limit()
+        if overlong.enable and overlong.buffer_len > overlong.max_len:
+            raise ValueError(f"algo.overlong.buffer_len = {overlong.buffer_len} exceeds the response limit "
+                             f"{overlong.max_len}")
 
     @property
     def sampler_config(self):

@@ -23,6 +23,7 @@ from treepo_ray.algo.losses import policy_loss
 from treepo_ray.learner.batch import Batch, TrainSample, collate
 from treepo_ray.learner.checkpoint import read_checkpoint, write_checkpoint
 from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.learner.schedule import lr_at, set_lr
 from treepo_ray.learner.strategy import make_strategy
 
 # Figures of policy_loss that are aggregated like the loss itself (weighted by the micro-batch's share of the
@@ -215,6 +216,7 @@ class Learner:
         figures = self.backward(samples)
         if not figures:
             return None
+        set_lr(self.optimizer, lr_at(self.cfg.lr, self.cfg.lr_warmup_steps, self.version))  # schedule.py
         grad_norm, ok = self.strategy.step(figures["loss"])
         self.version += int(ok)
         return figures | {"grad_norm": grad_norm, "skipped": float(not ok)}

@@ -1,6 +1,6 @@
 """Reward routing: each `data_source` to its verifier.
 
-The synthetic task's rows go to its own exact verifier (cheap, in-process); every other source goes to the math
+The synthetic tasks' rows go to their own exact verifier (cheap, in-process); every other source goes to the math
 verifier (boxed answer, math-verify in bounded worker processes). Scores share one scale: `correct_score` for a
 right answer, `wrong_score` otherwise, whichever verifier judged it.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import treepo_ray.rewards.synthetic as synthetic
 from treepo_ray.rewards.math import MathVerifier, MathVerifyConfig, compute_score
 
-EXACT_SOURCES = {synthetic.DATA_SOURCE: synthetic.score}
+EXACT_SOURCES = {source: synthetic.score for source in synthetic.DATA_SOURCES}
 """data_source -> an in-process exact scorer (solution, ground truth) -> {"score", "acc", "pred"} with score 1/0."""
 
 

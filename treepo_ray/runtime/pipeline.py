@@ -117,10 +117,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------------------ rollouts
 
-    def grow(self, prompts: list[Prompt]) -> list[Tree]:
-        """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order."""
+    def grow(self, prompts: list[Prompt], progress: float = 0.0) -> list[Tree]:
+        """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order.
+        `progress`: how far training is (0 to 1), for scheduled sampler settings."""
         k = len(self.schedulers)
-        refs = [s.grow.remote(prompts[i::k]) for i, s in enumerate(self.schedulers) if prompts[i::k]]
+        refs = [s.grow.remote(prompts[i::k], progress) for i, s in enumerate(self.schedulers) if prompts[i::k]]
         shards = ray.get(refs)
         out: list[Tree] = [None] * len(prompts)  # type: ignore[list-item]
         for i, shard in enumerate(shards):
@@ -138,7 +139,7 @@ class Pipeline:
         for rnd in range(1 + (algo.max_extra_rounds if algo.filters_groups else 0)):
             missing = need - len(kept)
             n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
-            trees = self.grow(stream.take(n))
+            trees = self.grow(stream.take(n), progress=step / max(1, cfg.trainer.steps - 1))
             grown += trees
             kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
             if len(kept) >= need:

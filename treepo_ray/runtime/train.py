@@ -64,9 +64,9 @@ def resolve_model(cfg: TrainConfig) -> str:
         if not Path(cfg.model.path).is_dir():
             raise ValueError(f"model.path = {cfg.model.path!r} is not a model directory")
         return cfg.model.path
-    from treepo_ray.data.pretrain import prepare_base_model
+    from treepo_ray.data.pretrain import base_model_config, prepare_base_model
 
-    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed))
+    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed, cfg=base_model_config(cfg.data.name)))
 
 
 @dataclass
