@@ -159,6 +159,7 @@ def run(cfg: TrainConfig) -> dict:
     elapsed0, loop_start = state.elapsed_s, time.time()
 
     faults: dict[str, float] = {}  # fault/* totals of this invocation (not rewound by a learner restart)
+    counters: dict[str, float] = {}  # growth/* totals of this invocation: what the tree growers did
 
     def save(step: int, data_position: int) -> None:
         state.step, state.data_position = step, data_position
@@ -182,6 +183,8 @@ def run(cfg: TrainConfig) -> dict:
         for key, value in metrics.items():
             if key.startswith("fault/"):
                 faults[key] = faults.get(key, 0.0) + value
+            elif key.startswith("growth/"):
+                counters[key[len("growth/"):]] = counters.get(key[len("growth/"):], 0.0) + value
         state.trajectories += int(metrics.get("rollout/trajectories", 0))
         line = logger.log(step, metrics)
         if cfg.log.trees_per_step:
@@ -214,7 +217,7 @@ def run(cfg: TrainConfig) -> dict:
                "train_time_s": elapsed0 + loop_s,
                "trajectories": state.trajectories,
                "eval_method": eval_method, "eval_problems": len(test_set),
-               "faults": faults, "pool_size": pipe.pool.size}
+               "faults": faults, "tree_counters": counters, "pool_size": pipe.pool.size}
     summary["trajectories_per_s"] = state.trajectories / max(summary["train_time_s"], 1e-9)
     base = state.base_eval.get("eval/accuracy")
     summary["base_accuracy"] = base
@@ -239,6 +242,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"   held-out accuracy ({s['eval_problems']} problems, {s['eval_method']}): base {s['base_accuracy']:.3f}"
                      + (f" -> final {s['final_accuracy']:.3f} ({s['improvement_points']:+.1f} points)"
                         if s.get("final_accuracy") is not None else ""))
+    if s.get("tree_counters"):
+        lines.append("   tree growth: " + ", ".join(f"{k} {v:.0f}" for k, v in s["tree_counters"].items()))
     lines.append(f"   run directory: {s['run_dir']} (summary.json, metrics.jsonl, trees.jsonl, training_curve.png)")
     return "\n".join(lines)
 
