@@ -33,6 +33,7 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     assert summary["steps"] == 4 and summary["completed"] and summary["algorithm"] == "treepo"
     assert 0.0 <= summary["base_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
     assert summary["trajectories"] == 4 * 16 and summary["trajectories_per_s"] > 0
+    assert summary["tree_counters"]["branches"] > 0  # growth/* totals of the resumed invocation's steps
     assert [s for s, _ in list_checkpoints(run)] == [4]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2, 3, 4]

@@ -75,8 +75,9 @@ class ChainTaskConfig:
     """Fewest terms (steps = terms - 1)."""
     max_terms: int = 5
     """Most terms; also the number of slots of the question's list."""
-    carry_noise: float = 0.15
-    """Training text: probability that a nonzero carry is dropped (written as 0, the rest computed from it)."""
+    carry_noise: float = 0.25
+    """Training text: probability that a nonzero carry is dropped (written as 0, the rest computed from it); at
+    0.25 about 28% of the plain solutions are right, which the base model's pass@1 follows."""
     ramble: float = 0.03
     """Training text: share of solutions that go on after their last step with invented terms and never answer."""
     repeat: float = 0.03
