@@ -130,8 +130,8 @@ def test_prompt_file_must_hold_both_templates(tmp_path):
 
 
 def test_each_data_source_heals_in_its_own_format():
-    # The running-sum task's format, as its pretraining text writes it: "<partial>\n? <critique>\n! <continuation>";
-    # the critique is cut at its first newline (the model goes on writing the continuation after it).
+    # The running-sum task's format, as its pretraining text writes it: "<partial>\n? <critique>\n<question>
+    # <corrected solution>"; the critique is cut at its first newline (the model goes on writing after it).
     from treepo_ray.data.chain import CRITIQUE_CUE, REFINE_CUE
 
     tok = build_tokenizer()
@@ -144,14 +144,14 @@ def test_each_data_source_heals_in_its_own_format():
         t.set_trajectory_rewards([0.0])
         return t
 
-    gen = ScriptedGenerator(tok, "step 1 is unfinished\n! =0001", ["=0001\n\\boxed{2}"])
+    gen = ScriptedGenerator(tok, "step 1 is unfinished\nQ: 1+1\n=0001", ["=0001\n\\boxed{2}"])
     healer = CritiqueHealer(tok, gen, lambda p, i: [-0.1] * len(i), lambda tr, n: 1.0,
                             HealingConfig(num_refinements=1, step_len=32))
     res = healer.heal(dead_tree("synthetic_chain"))
     crit, refine = gen.requests
     assert res.critique == "step 1 is unfinished"
     assert tok.decode(crit.prefix_ids) == "Q: 1+1\n" + CRITIQUE_CUE  # the root failed: an empty partial
-    assert tok.decode(refine.prefix_ids) == "Q: 1+1\n" + CRITIQUE_CUE + "step 1 is unfinished" + REFINE_CUE
+    assert tok.decode(refine.prefix_ids) == "Q: 1+1\n" + CRITIQUE_CUE + "step 1 is unfinished" + REFINE_CUE + "Q: 1+1\n"
     healer.heal(dead_tree("math"))
     assert "Critique:" in tok.decode(gen.requests[2].prefix_ids)  # other sources: the default set
 

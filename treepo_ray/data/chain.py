@@ -29,8 +29,8 @@ Training text (the base model's pretraining) is deliberately imperfect, so a bas
 reward: a nonzero carry is dropped now and then (the rest of the solution stays self-consistent, the answer is
 wrong), and a few solutions ramble (go on with invented terms and never answer), repeat a line until cut off, or
 give up (end without an answer). Part of the text teaches the critique format of CATPO's healing prompts
-(healing/prompts.yaml): a partial solution, a one-line critique naming the step to redo, and the corrected
-continuation from that step, without slips:
+(healing/prompts.yaml): a partial solution, a one-line critique naming the first wrong step, and the corrected
+continuation, without slips, from the question restated:
 
     Add up: 457+386+192+...+...
     =0457
@@ -39,11 +39,17 @@ continuation from that step, without slips:
     5+8+0=13
     4+3+1=0                         <- the partial solution, cut anywhere (here after a dropped carry)
     ? step 1 drops a carry          <- the critique: the first step with a slip, or the unfinished one
-    ! =0457                         <- the continuation: that step again (its running sum and list), then on
+    Add up: 457+386+192+...+...     <- the question again, then the corrected solution
+    =0457
     386+192+...+...
     7+6+0=13
+    5+8+1=14
     ...
     \\boxed{1035}
+
+Restating the question keeps every line of the corrected solution at the same distance from what it copies as in a
+plain solution (a tiny model learns fixed distances fast and content lookups slowly), whatever the partial
+solution before it.
 
 Held-out problems never occur in training (the hash split of data/synthetic.py). The verifier is
 treepo_ray.rewards.synthetic (the last boxed integer, exactly).
@@ -57,8 +63,9 @@ from dataclasses import dataclass
 
 CRITIQUE_CUE = "\n? "
 """Starts the critique line after a (partial) solution."""
-REFINE_CUE = "\n! "
-"""Starts the corrected continuation after the critique."""
+REFINE_CUE = "\n"
+"""Ends the critique line; the corrected solution follows, from the question restated (so every line it copies
+sits at the same distance as in a plain solution, whatever the length of the partial solution before)."""
 EMPTY = "..."
 """An empty slot of the term lists."""
 COLUMNS = 4
@@ -75,16 +82,16 @@ class ChainTaskConfig:
     """Fewest terms (steps = terms - 1)."""
     max_terms: int = 5
     """Most terms; also the number of slots of the question's list."""
-    carry_noise: float = 0.25
+    carry_noise: float = 0.2
     """Training text: probability that a nonzero carry is dropped (written as 0, the rest computed from it); at
-    0.25 about 28% of the plain solutions are right, which the base model's pass@1 follows."""
-    ramble: float = 0.03
+    0.2 about 35% of the plain solutions are right."""
+    ramble: float = 0.02
     """Training text: share of solutions that go on after their last step with invented terms and never answer."""
-    repeat: float = 0.03
+    repeat: float = 0.02
     """Training text: share of solutions that repeat one line until the text is cut off."""
-    give_up: float = 0.03
+    give_up: float = 0.02
     """Training text: share of solutions that end (EOS) after a step, without an answer."""
-    critique: float = 0.25
+    critique: float = 0.2
     """Training text: share of texts in the critique format (partial solution, critique, corrected continuation)."""
 
     def __post_init__(self) -> None:
@@ -190,26 +197,26 @@ def training_text(operands: list[int], cfg: ChainTaskConfig, rng: random.Random)
 
 
 def critique_example(operands: list[int], cfg: ChainTaskConfig, rng: random.Random) -> str:
-    """Partial solution (cut anywhere, often after a slip), the critique naming the step to redo, and the clean
-    continuation from that step to the boxed answer."""
+    """Partial solution (cut anywhere, often after a slip, empty now and then as when a whole tree failed), the
+    critique naming the first wrong (or the unfinished) step, then the question again and its solution without
+    slips."""
     width = cfg.max_terms - 1
     steps = work(operands, _dropper(max(cfg.carry_noise, 0.3), rng))
     full = render(operands[0], steps, width, answer=False)
-    cut = 0 if rng.random() < 0.25 else rng.randint(0, len(full))
-    # The step to redo: the first whose visible part shows a slip (the carry-in is the 5th character of a column
+    cut = 0 if rng.random() < 0.3 else rng.randint(0, len(full))
+    # The step named: the first whose visible part shows a slip (the carry-in is the 5th character of a column
     # line), else the step the cut falls in.
     start = 6  # after the first `=dddd` line
-    redo, verdict = len(steps) - 1, "is unfinished"
+    named, verdict = len(steps) - 1, "is unfinished"
     for k, s in enumerate(steps):
         line0 = start + len(slots(s.rest, width)) + 1
         if any(line0 + 9 * col + 4 < cut for col in s.slips):
-            redo, verdict = k, "drops a carry"
+            named, verdict = k, "drops a carry"
             break
         start += len(s.text(width))
         if cut < start:
-            redo = k
+            named = k
             break
-    left = operands[0] if redo == 0 else steps[redo - 1].result
-    fixed = work(operands, start=redo, left=left)
-    critique = f"step {redo + 1} {verdict}"
-    return full[:cut] + CRITIQUE_CUE + critique + REFINE_CUE + render(left, fixed, width)
+    critique = f"step {named + 1} {verdict}"
+    return full[:cut] + CRITIQUE_CUE + critique + REFINE_CUE + question(operands, cfg.max_terms) + \
+        solution_text(operands, cfg.max_terms)

@@ -60,24 +60,26 @@ class PretrainConfig:
                                                 num_kv_heads=2, max_positions=768)
     )
     """Shape of the model (its seed is replaced by `seed`)."""
-    steps: int = 450
+    steps: int = 600
     """Optimizer steps (the deterministic budget). The running-sum layout is learnt in a jump between about 250
-    and 450 steps of 32 texts (measured: greedy accuracy 5% at step 300, 68% at 400, 98% at 500)."""
-    batch_size: int = 24
+    and 500 steps of 32 texts (measured: greedy accuracy 5% at step 300, 68% at 400, 98% at 500); sampling at
+    temperature 1.0 needs more (520 steps of 28: greedy 0.75 but pass@1 0.04, most failures arithmetic slips)."""
+    batch_size: int = 28
     """Training texts per step (fresh problems every step)."""
+    micro_batches: int = 2
+    """Each step's texts, sorted by length, go through the model in this many batches (less padding)."""
     max_len: int = 288
-    """Training texts are cut to this many tokens after the question (a rambling text is cut, without EOS): a
-    little over the 256-token responses the default job samples."""
+    """A text that never ends (rambling, repeating) is cut to this many tokens after the question, without EOS:
+    a little over the 256-token responses the default job samples."""
     lr: float = 3e-3
     """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
     warmup_steps: int = 50
     """Steps of linear warmup."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
-    num_threads: int = 1
-    """torch threads. One: a second thread gains little on two free cores and costs several times over on a busy
-    machine (measured: 0.08 s vs 0.44 s CPU per step with the other core taken; 2.5 s vs 0.6 s per step of the
-    running-sum texts under load)."""
+    num_threads: int = 2
+    """torch threads of the pretraining process (see pretrain_in_subprocess for why two cost little when the
+    machine is busy)."""
     eval_problems: int = 500
     """Held-out problems of the base evaluation."""
     eval_samples: int = 4
@@ -87,6 +89,8 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         task_config(self.task)  # raises on an unknown task
+        if not 1 <= self.micro_batches <= self.batch_size:
+            raise ValueError(f"micro_batches = {self.micro_batches}; it must be in 1..batch_size")
 
     @property
     def task_config(self) -> ChainTaskConfig | SyntheticTaskConfig:
@@ -96,7 +100,8 @@ class PretrainConfig:
 def base_model_config(task: str = "synthetic", seed: int = 0) -> PretrainConfig:
     """The base model's settings for a synthetic task (`task` not one of them: the default task's)."""
     if task == "synthetic_addition":  # short answers: a short context, and the budget measured for it
-        return PretrainConfig(seed=seed, task=task, steps=1200, batch_size=32, max_len=64, num_threads=1,
+        return PretrainConfig(seed=seed, task=task, steps=1200, batch_size=32, micro_batches=1, max_len=64,
+                              num_threads=1,
                               eval_samples=8, eval_max_new_tokens=96,
                               model=TinyModelConfig(hidden_size=128, intermediate_size=384, num_layers=2,
                                                     num_heads=4, num_kv_heads=2, max_positions=256))
@@ -116,23 +121,25 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _batch(problems: list[Problem], cfg: PretrainConfig, rng: random.Random, tokenizer) -> tuple[torch.Tensor, ...]:
-    """Input ids, attention mask and labels of training texts; the loss covers the text after the question (and
-    its EOS) only."""
-    rows, labels = [], []
+def _batches(problems: list[Problem], cfg: PretrainConfig, rng: random.Random, tokenizer):
+    """One step's training texts as `cfg.micro_batches` padded batches (input ids, attention mask, labels, label
+    tokens) of texts of similar length, so little compute goes to padding; the loss covers the text after the
+    question (and its EOS) only."""
+    rows = []
     for p in problems:
         prompt = tokenizer(p.question, add_special_tokens=False).input_ids
         text, eos = pretrain_text(p, cfg.task_config, rng)
-        answer = tokenizer(text, add_special_tokens=False).input_ids + ([tokenizer.eos_token_id] if eos else [])
-        answer = answer[: cfg.max_len]
-        rows.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    lab = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
-    return ids, mask, lab
+        answer = tokenizer(text, add_special_tokens=False).input_ids
+        answer = answer + [tokenizer.eos_token_id] if eos else answer[: cfg.max_len]
+        rows.append((prompt + answer, [-100] * len(prompt) + answer))
+    rows.sort(key=lambda r: len(r[0]))
+    pad, size = tokenizer.pad_token_id, -(-len(rows) // cfg.micro_batches)
+    for part in (rows[i:i + size] for i in range(0, len(rows), size)):
+        width = max(len(r) for r, _ in part)
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in part])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in part])
+        lab = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in part])
+        yield ids, mask, lab, int((lab != -100).sum())
 
 
 def train(out_dir: Path, cfg: PretrainConfig, log=print) -> None:
@@ -154,13 +161,16 @@ def train(out_dir: Path, cfg: PretrainConfig, log=print) -> None:
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         chunk = problems[step * cfg.batch_size : (step + 1) * cfg.batch_size]
-        ids, mask, labels = _batch(chunk, cfg, noise_rng, tokenizer)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        parts = list(_batches(chunk, cfg, noise_rng, tokenizer))
+        total, loss = sum(p[3] for p in parts), 0.0
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for ids, mask, labels, n in parts:  # the step's loss: the mean over all its label tokens
+            part = model(input_ids=ids, attention_mask=mask, labels=labels).loss * (n / total)
+            part.backward()
+            loss += part.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
         if (step + 1) % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps:
             log(f"pretrain step {step + 1}/{cfg.steps}  loss {ema:.4f}  {time.time() - start:.0f}s  ({params} params)")
     model.eval()
@@ -194,9 +204,9 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig, log=print) -> dict:
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()  # restored afterwards: the caller's process keeps its own setting
     try:
-        start = time.time()
+        start, cpu0 = time.time(), time.process_time()
         train(out_dir, cfg, log)
-        train_s = time.time() - start
+        train_s, train_cpu_s = time.time() - start, time.process_time() - cpu0
         log(f"evaluating on {cfg.eval_problems} held-out problems ...")
         problems = make_problems(cfg.eval_problems, cfg.task_config, cfg.seed, "test")
         sampled = evaluate_pass1(out_dir, problems, cfg.eval_samples, 1.0, cfg.eval_max_new_tokens, cfg.seed,
@@ -210,6 +220,7 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig, log=print) -> dict:
         "greedy_accuracy": greedy,
         "held_out_problems": cfg.eval_problems,
         "train_seconds": round(train_s, 1),
+        "train_cpu_seconds": round(train_cpu_s, 1),  # what it costs on free cores, whatever else ran meanwhile
         "eval_seconds": round(time.time() - start - train_s, 1),
         "settings_hash": settings_hash(cfg),
         "config": config_io.to_dict(cfg),
@@ -220,12 +231,31 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig, log=print) -> dict:
     return result
 
 
+def pretrain_in_subprocess(out_dir: Path, cfg: PretrainConfig, log=print) -> None:
+    """`pretrain` in a fresh Python process (its lines passed to `log`): its own torch threads, set before torch
+    starts, with OpenMP's waiting threads asleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), so two threads pay
+    on two free cores and cost little on a busy machine (measured under load: 1.8 s vs 8.5 s per step)."""
+    import subprocess
+
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    args = config_io.file_overrides(PretrainConfig, config_io.to_dict(cfg))
+    with subprocess.Popen([sys.executable, "-m", "treepo_ray.data.pretrain", "--out", str(out_dir), *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            log(lines[-1])
+    if proc.returncode:
+        raise RuntimeError(f"pretraining failed (exit {proc.returncode}): " + " | ".join(lines[-5:]))
+
+
 def prepare_base_model(cache_dir: str | Path, seed: int = 0, cfg: PretrainConfig | None = None, log=print) -> Path:
     """The pretrained tiny base model's directory under `cache_dir`, trained on the first call for these settings.
 
     Cached by a hash of the settings (`cfg`, with `seed` replacing cfg.seed): a second call returns at once.
-    The model is built in a temporary directory and renamed into place, so an interrupted or concurrent build
-    never leaves a half-written model behind.
+    The model is built (in a subprocess) in a temporary directory and renamed into place, so an interrupted or
+    concurrent build never leaves a half-written model behind.
     """
     cfg = config_io.from_dict(PretrainConfig, {**config_io.to_dict(cfg or PretrainConfig()), "seed": seed})
     root = Path(cache_dir)
@@ -235,7 +265,7 @@ def prepare_base_model(cache_dir: str | Path, seed: int = 0, cfg: PretrainConfig
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=root))
     try:
-        pretrain(tmp, cfg, log)
+        pretrain_in_subprocess(tmp, cfg, log)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same model first: keep theirs
