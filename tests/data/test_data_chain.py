@@ -6,11 +6,11 @@ import random
 import pytest
 
 from treepo_ray.data.chain import (
+    CHECK,
     CRITIQUE_CUE,
     REFINE_CUE,
     ChainTaskConfig,
     add_step,
-    critique_example,
     question,
     solution_text,
     training_text,
@@ -61,16 +61,16 @@ def test_training_text_is_imperfect_in_each_announced_way():
     rng = random.Random(0)
     ops = [822, 644, 364, 977]
     only = lambda **kw: ChainTaskConfig(**{"critique": 0.0, "ramble": 0.0, "repeat": 0.0, "give_up": 0.0, **kw})  # noqa: E731
-    text, eos = training_text(ops, only(ramble=1.0), rng)
+    _, text, eos = training_text(ops, only(ramble=1.0), rng)
     assert not eos and "\\boxed" not in text and text.count("\n=") > len(ops) - 1  # invented steps, never an answer
-    text, eos = training_text(ops, only(repeat=1.0), rng)
+    _, text, eos = training_text(ops, only(repeat=1.0), rng)
     line = text.splitlines()[-1]
     assert not eos and text.count(line + "\n") >= 20 and "\\boxed" not in text
-    text, eos = training_text(ops, only(give_up=1.0), rng)
+    _, text, eos = training_text(ops, only(give_up=1.0), rng)
     assert eos and "\\boxed" not in text
-    text, eos = training_text(ops, only(carry_noise=0.0), rng)
-    assert eos and verify(text, str(sum(ops)))
-    noisy = [verify(training_text(p.operands, only(carry_noise=0.3), rng)[0], p.answer)
+    prefix, text, eos = training_text(ops, only(carry_noise=0.0), rng)
+    assert prefix == "" and eos and verify(text, str(sum(ops)))
+    noisy = [verify(training_text(p.operands, only(carry_noise=0.3), rng)[1], p.answer)
              for p in make_problems(300, ChainTaskConfig(), seed=2)]
     assert 0.2 < sum(noisy) / len(noisy) < 0.9  # dropped carries make some answers wrong, self-consistently
 
@@ -79,7 +79,8 @@ def test_critique_names_the_first_wrong_step_and_the_continuation_is_clean():
     rng = random.Random(5)
     seen = set()
     for p in make_problems(200, ChainTaskConfig(), seed=3):
-        text = critique_example(p.operands, ChainTaskConfig(), rng)
+        prefix, text, _ = training_text(p.operands, ChainTaskConfig(critique=1.0), rng)
+        assert prefix == CHECK  # the critique format lives in its own kind of document
         partial, rest = text.split(CRITIQUE_CUE)
         critique, continuation = rest.split(REFINE_CUE, 1)
         assert critique.startswith("step ") and critique.endswith(("drops a carry", "is unfinished"))

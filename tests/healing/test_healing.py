@@ -132,7 +132,7 @@ def test_prompt_file_must_hold_both_templates(tmp_path):
 def test_each_data_source_heals_in_its_own_format():
     # The running-sum task's format, as its pretraining text writes it: "<partial>\n? <critique>\n<question>
     # <corrected solution>"; the critique is cut at its first newline (the model goes on writing after it).
-    from treepo_ray.data.chain import CRITIQUE_CUE, REFINE_CUE
+    from treepo_ray.data.chain import CHECK, CRITIQUE_CUE, REFINE_CUE
 
     tok = build_tokenizer()
 
@@ -150,8 +150,9 @@ def test_each_data_source_heals_in_its_own_format():
     res = healer.heal(dead_tree("synthetic_chain"))
     crit, refine = gen.requests
     assert res.critique == "step 1 is unfinished"
-    assert tok.decode(crit.prefix_ids) == "Q: 1+1\n" + CRITIQUE_CUE  # the root failed: an empty partial
-    assert tok.decode(refine.prefix_ids) == "Q: 1+1\n" + CRITIQUE_CUE + "step 1 is unfinished" + REFINE_CUE + "Q: 1+1\n"
+    assert tok.decode(crit.prefix_ids) == CHECK + "Q: 1+1\n" + CRITIQUE_CUE  # the root failed: an empty partial
+    assert tok.decode(refine.prefix_ids) == (CHECK + "Q: 1+1\n" + CRITIQUE_CUE + "step 1 is unfinished" + REFINE_CUE
+                                             + "Q: 1+1\n")
     healer.heal(dead_tree("math"))
     assert "Critique:" in tok.decode(gen.requests[2].prefix_ids)  # other sources: the default set
 

@@ -29,10 +29,11 @@ Training text (the base model's pretraining) is deliberately imperfect, so a bas
 reward: a nonzero carry is dropped now and then (the rest of the solution stays self-consistent, the answer is
 wrong), and a few solutions ramble (go on with invented terms and never answer), repeat a line until cut off, or
 give up (end without an answer). Part of the text teaches the critique format of CATPO's healing prompts
-(healing/prompts.yaml): a partial solution, a one-line critique naming the first wrong step, and the corrected
+(healing/prompts.yaml), in documents that start with `Check: ` (so a policy answering a plain question never
+drifts into it): a partial solution, a one-line critique naming the first wrong step, and the corrected
 continuation, without slips, from the question restated:
 
-    Add up: 457+386+192+...+...
+    Check: Add up: 457+386+192+...+...
     =0457
     386+192+...+...
     7+6+0=13
@@ -61,6 +62,9 @@ import random
 import zlib
 from dataclasses import dataclass
 
+CHECK = "Check: "
+"""Starts a critique document (before the question): the critique format appears only after it, so a policy
+sampling a plain question never switches into it."""
 CRITIQUE_CUE = "\n? "
 """Starts the critique line after a (partial) solution."""
 REFINE_CUE = "\n"
@@ -175,10 +179,15 @@ def _dropper(p: float, rng: random.Random):
     return lambda: p > 0 and rng.random() < p
 
 
-def training_text(operands: list[int], cfg: ChainTaskConfig, rng: random.Random) -> tuple[str, bool]:
-    """One pretraining text after the question, and whether it ends with EOS (a text cut off mid-way does not)."""
+def training_text(operands: list[int], cfg: ChainTaskConfig, rng: random.Random) -> tuple[str, str, bool]:
+    """One pretraining text: what goes before the question (CHECK for a critique document, else nothing), the text
+    after the question, and whether it ends with EOS (a text cut off mid-way does not)."""
     if rng.random() < cfg.critique:
-        return critique_example(operands, cfg, rng), True
+        return CHECK, critique_example(operands, cfg, rng), True
+    return ("", *_solution_text(operands, cfg, rng))
+
+
+def _solution_text(operands: list[int], cfg: ChainTaskConfig, rng: random.Random) -> tuple[str, bool]:
     width = cfg.max_terms - 1
     steps = work(operands, _dropper(cfg.carry_noise, rng))
     u = rng.random()
@@ -197,9 +206,9 @@ def training_text(operands: list[int], cfg: ChainTaskConfig, rng: random.Random)
 
 
 def critique_example(operands: list[int], cfg: ChainTaskConfig, rng: random.Random) -> str:
-    """Partial solution (cut anywhere, often after a slip, empty now and then as when a whole tree failed), the
-    critique naming the first wrong (or the unfinished) step, then the question again and its solution without
-    slips."""
+    """After `CHECK` and the question: a partial solution (cut anywhere, often after a slip, empty now and then as
+    when a whole tree failed), the critique naming the first wrong (or the unfinished) step, then the question
+    again and its solution without slips."""
     width = cfg.max_terms - 1
     steps = work(operands, _dropper(max(cfg.carry_noise, 0.3), rng))
     full = render(operands[0], steps, width, answer=False)

@@ -127,8 +127,8 @@ def _batches(problems: list[Problem], cfg: PretrainConfig, rng: random.Random, t
     question (and its EOS) only."""
     rows = []
     for p in problems:
-        prompt = tokenizer(p.question, add_special_tokens=False).input_ids
-        text, eos = pretrain_text(p, cfg.task_config, rng)
+        question, text, eos = pretrain_text(p, cfg.task_config, rng)
+        prompt = tokenizer(question, add_special_tokens=False).input_ids
         answer = tokenizer(text, add_special_tokens=False).input_ids
         answer = answer + [tokenizer.eos_token_id] if eos else answer[: cfg.max_len]
         rows.append((prompt + answer, [-100] * len(prompt) + answer))

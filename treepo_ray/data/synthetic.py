@@ -165,12 +165,14 @@ def worked_solution(problem: Problem, noise: float = 0.0, rng: random.Random | N
 
 
 def pretrain_text(problem: Problem, cfg: SyntheticTaskConfig | ChainTaskConfig, rng: random.Random
-                  ) -> tuple[str, bool]:
-    """A pretraining text for `problem` (after its question) as the task's noise settings make it, and whether it
-    ends with EOS."""
+                  ) -> tuple[str, str, bool]:
+    """A pretraining text for `problem` as the task's noise settings make it: the prompt (the question, after a
+    document prefix for the running-sum task's critique documents), the text after it, and whether it ends with
+    EOS."""
     if isinstance(cfg, ChainTaskConfig):
-        return training_text(problem.operands, cfg, rng)
-    return worked_solution(problem, cfg.noise, rng), True
+        prefix, text, eos = training_text(problem.operands, cfg, rng)
+        return prefix + problem.question, text, eos
+    return problem.question, worked_solution(problem, cfg.noise, rng), True
 
 
 def write_splits(
