@@ -37,7 +37,7 @@ from treepo_ray.data.synthetic import Problem, SyntheticTaskConfig, make_problem
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
 from treepo_ray.rewards.synthetic import verify
 
-FORMAT_VERSION = 2  # bump when the training recipe changes in a way the settings do not show, to refresh caches
+FORMAT_VERSION = 3  # bump when the training recipe changes in a way the settings do not show, to refresh caches
 
 
 @dataclass
