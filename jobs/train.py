@@ -13,6 +13,6 @@ if __name__ == "__main__":
     # The job's working directory is a copy of the repository: make its package importable without installing it.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from treepo_ray.runtime.train import main
+    from treepo_ray.cli import main
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["train", *sys.argv[1:]]))

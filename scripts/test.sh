@@ -8,4 +8,4 @@ bash scripts/setup.sh
 .venv/bin/lint-imports  # the layers of ARCHITECTURE.md (contracts in pyproject.toml)
 .venv/bin/python -m pytest -q "$@"
 bash scripts/setup_vllm.sh
-.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_engine.py
+.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm_*.py tests/jobs/test_vllm_*.py

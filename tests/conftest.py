@@ -50,6 +50,6 @@ def ray_local():
     """One real local Ray per test module."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a cluster left running
     yield
     ray.shutdown()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import sys
 
+from treepo_ray.config import UserError
+
 COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
-    "eval": ("treepo_ray.data.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset"),
+    "eval": ("treepo_ray.job.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset (the train's config keys)"),
     "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling on one engine; `bench NAME ...` runs "
-                                              "another benchmark (chaos, overlap, catpo)"),
+                                              "another benchmark (chaos, overlap, catpo, learner)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
     "viz": ("treepo_ray.job.viz", "render a run's saved trees as a self-contained HTML page"),
     "compare": ("treepo_ray.benchmarks.compare", "algorithms side by side: held-out accuracy against wall time and "
@@ -20,6 +22,7 @@ BENCHMARKS = {
     "chaos": "treepo_ray.benchmarks.chaos",
     "overlap": "treepo_ray.benchmarks.overlap",
     "catpo": "treepo_ray.benchmarks.catpo",
+    "learner": "treepo_ray.benchmarks.learner",
 }
 
 
@@ -43,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     if name == "bench" and rest and rest[0] in BENCHMARKS:  # `bench NAME ...`; plain `bench` is the engine's
         module_name, rest = BENCHMARKS[rest[0]], rest[1:]
     module = importlib.import_module(module_name)
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except UserError as err:  # a bad key, path or row: one line, never a traceback
+        print(f"treepo-ray {name}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ import yaml
 T = TypeVar("T")
 
 
+class UserError(ValueError):
+    """A mistake in what the user gave (a config key or value, a model or data path, a dataset row): the commands
+    report it as one line naming the key, path or row, and exit with status 2 (cli.py)."""
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Turn a YAML/command-line value into the annotated type, or raise naming the key."""
     origin = typing.get_origin(tp)
@@ -33,54 +38,73 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except (TypeError, ValueError):
                 continue
-        raise ValueError(f"{where}: cannot read {value!r} as {tp}")
+        raise UserError(f"{where}: cannot read {value!r} as {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+            raise UserError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)
     if origin in (list, tuple):
         (item,) = typing.get_args(tp)[:1] or (Any,)
         if isinstance(value, str):
             value = yaml.safe_load(value) if value.startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
+            raise UserError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+            raise UserError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"{where}: expected true or false, got {value!r}")
+        raise UserError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
+            raise UserError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: expected an integer, got {value!r}") from None
     if tp is float:
         if isinstance(value, bool):
-            raise ValueError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: expected a number, got {value!r}") from None
     if tp is str:
+        if isinstance(value, (dict, list)):
+            raise UserError(f"{where}: expected a string, got {value!r}")
         return str(value)
     return value
+
+
+def _type_name(tp: Any) -> str:
+    """`int | None` rather than `typing.Optional[int]` in messages."""
+    return " | ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp)) or getattr(tp, "__name__", str(tp))
 
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def from_dict(cls: type[T], data: dict, where: str = "config") -> T:
-    """Build dataclass `cls` from a nested dict; unknown keys raise ValueError naming them."""
+def from_dict(cls: type[T], data: dict, where: str = "") -> T:
+    """Build dataclass `cls` from a nested dict; an unknown key, a value of the wrong type or one its section's
+    checks refuse raises UserError naming it."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
-    return cls(**kwargs)
+        raise UserError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except UserError:
+        raise
+    except ValueError as err:  # a section's __post_init__ check; its message names the key
+        raise UserError(str(err)) from None
 
 
 def to_dict(cfg: Any) -> dict:
@@ -91,7 +115,7 @@ def _section_type(cls: type, key: str, where: str) -> type | None:
     """Type of field `key` of dataclass `cls` if it is itself a dataclass (a section), else None."""
     names = {f.name for f in dataclasses.fields(cls)}
     if key not in names:
-        raise ValueError(f"{where}: unknown key {key!r} (known: {sorted(names)})")
+        raise UserError(f"{where}: unknown key {key!r} (known: {sorted(names)})")
     tp = _hints(cls)[key]
     return tp if dataclasses.is_dataclass(tp) else None
 
@@ -104,19 +128,22 @@ def apply_overrides(cfg: T, overrides: list[str]) -> T:
     data = to_dict(cfg)
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} is not of the form key=value")
+            raise UserError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
         node, parts, cls = data, key.split("."), type(cfg)
         for part in parts[:-1]:
             if cls is not None:
                 sub = _section_type(cls, part, f"override {item!r}")
                 if sub is None and not isinstance(node.get(part), dict):
-                    raise ValueError(f"override {item!r}: {part!r} is not a section of the config")
+                    raise UserError(f"override {item!r}: {part!r} is not a section of the config")
                 cls = sub
             node = node.setdefault(part, {})
         if cls is not None:
             _section_type(cls, parts[-1], f"override {item!r}")
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as err:
+            raise UserError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
     return from_dict(type(cfg), data)
 
 
@@ -147,12 +174,17 @@ def read_file_overrides(cls: type, path: str | Path | None) -> list[str]:
     """The YAML file at `path` as dotted overrides of `cls`, checked on its own so that errors name the file."""
     if path is None:
         return []
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not Path(path).is_file():
+        raise UserError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+        raise UserError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
     args = file_overrides(cls, data)
     try:
         apply_overrides(cls(), args)
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise UserError(f"{path}: {err}") from None
     return args

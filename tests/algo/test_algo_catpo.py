@@ -8,7 +8,7 @@ import pytest
 from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, needs_healing, record_heal, sampled_tokens, score_tree
 from treepo_ray.healing.critique import HealResult
 from treepo_ray.job.config import AlgoConfig
-from treepo_ray.learner.batch import samples_from_trees
+from treepo_ray.learner.batch import train_trees
 from treepo_ray.tree.tree import Tree
 
 PAPER = dict(tau_low=0.025, tau_high=0.10, var_cut=0.05)  # CATPO Table 1 (the job's defaults: algo.catpo)
@@ -59,12 +59,14 @@ def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
     assert catpo_weights([trees[2], trees[3]]) == [1.0, 1.0]  # all F = 0: uniform, not 0/0
 
     # What the pipeline does with them (runtime/pipeline.py: make_batch).
-    weighted = samples_from_trees(trees, AlgoConfig(name="catpo").advantages(trees), w)
-    plain = samples_from_trees(trees, AlgoConfig(name="treerpo").advantages(trees))
-    assert [s.advantages for s in weighted] == [s.advantages for s in plain]  # TreeRPO's credit ...
-    assert [s.weight for s in weighted] == pytest.approx([w[0]] * 4 + [w[1]] * 4 + [0.0] * 4 + [0.0] * 4)
+    weighted = train_trees(trees, AlgoConfig(name="catpo").credit(trees), w)
+    plain = train_trees(trees, AlgoConfig(name="treerpo").credit(trees))
+    assert [t.node_advantages for t in weighted] == [t.node_advantages for t in plain]  # TreeRPO's credit ...
+    assert [t.node_mask for t in weighted] == [t.node_mask for t in plain]
+    assert [t.weight for t in weighted] == pytest.approx(w)
     # ... e.g. the informative tree's winner: (1 - 1/4) / (1/4 * 3/4 + eps) with eps = 1e-6 (TreeRPO eq. 2)
-    assert weighted[0].advantages[0] == pytest.approx(0.75 / (0.1875 + 1e-6))
+    assert weighted[0].node_advantages[1] == pytest.approx(0.75 / (0.1875 + 1e-6))
+    assert weighted[0].advantages[0] == [weighted[0].node_advantages[1]]  # per token of each trajectory too
 
 
 def test_step_metrics_count_regimes_healing_and_cost():

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from treepo_ray.algo.credit import keep_tree, tree_metrics
+from treepo_ray.algo.credit import advantage_metrics, keep_tree, tree_metrics
 from treepo_ray.job.config import AlgoConfig
 from treepo_ray.tree import Tree
 
@@ -89,14 +89,31 @@ def test_tree_metrics_shared_prefix_share_and_stops():
     m = tree_metrics([t, chains([1, 0])])
     # Tree: 4 paths of 4 tokens = 16, distinct path nodes 6 x 2 = 12; chains: 6 and 6 -> 1 - 18/22.
     assert m["tree/shared_prefix_share"] == pytest.approx(1 - 18 / 22)
-    assert m["rollout/reward"] == pytest.approx(2 / 6)
+    assert m["critic/score/mean"] == pytest.approx(2 / 6)
     assert m["rollout/accuracy"] == pytest.approx(2 / 6)
-    assert m["tree/depth_max"] == 2
+    assert m["tree/stop_eos"] == 4 and m["tree/depth_max"] == 2
+    assert m["response_length/mean"] == pytest.approx(22 / 6)
     # growth counters are this batch's totals (a tree without growth statistics counts nothing)
     assert m["growth/stop_eos"] == 4 and m["growth/branches"] == 3 and m["growth/fallbacks"] == 1
     assert m["growth/budget_transfers"] == 0 and m["growth/stop_boxed"] == 0
-    assert m["rollout/response_len"] == pytest.approx(22 / 6)
     assert tree_metrics([]) == {}
+
+
+def test_verl_figures_score_range_length_clip_ratio_and_token_advantages():
+    t, c = two_level_tree([1, 0, 0, 0]), chains([1, 0], length=3)  # responses of 4, 4, 4, 4 and 3, 3 tokens
+    m = tree_metrics([t, c], response_limit=4)
+    assert (m["critic/score/max"], m["critic/score/min"]) == (1.0, 0.0)
+    assert (m["response_length/max"], m["response_length/min"]) == (4.0, 3.0)
+    assert m["response_length/clip_ratio"] == pytest.approx(4 / 6)  # those that reached the limit
+    assert "response_length/clip_ratio" not in tree_metrics([t])  # no limit given, no ratio
+    # verl's critic/advantages/*: over response tokens, so a scalar advantage counts once per token.
+    m = advantage_metrics([t, c], [[1.0, 0.0, 0.0, 0.0], [0.5, -0.5]])
+    assert m["critic/advantages/mean"] == pytest.approx((4 * 1.0 + 3 * 0.5 - 3 * 0.5) / 22)
+    assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (1.0, -0.5)
+    # per-token advantages as given, and CATPO's tree weights applied
+    m = advantage_metrics([c], [[[1.0, 2.0, 3.0], [0.0, 0.0, -3.0]]], weights=[2.0])
+    assert m == {"critic/advantages/mean": pytest.approx(2 * 3 / 6), "critic/advantages/max": 6.0,
+                 "critic/advantages/min": -6.0}
 
 
 def test_unknown_algorithm_and_missing_reward_are_errors():

@@ -35,9 +35,9 @@ def test_clipped_surrogate_by_hand(ratio, adv, loss, grad, side):
     got, m, g = one_token(ratio, adv, LossConfig())
     assert got == pytest.approx(loss, rel=1e-6)
     assert g == pytest.approx(grad, rel=1e-5, abs=1e-7)
-    assert m["clip_frac_low"] == (side == "low")
-    assert m["clip_frac_high"] == (side == "high")
-    assert m["clip_frac"] == (side is not None)
+    assert m["pg_clipfrac_below"] == (side == "low")
+    assert m["pg_clipfrac_above"] == (side == "high")
+    assert m["pg_clipfrac"] == (side is not None)
     assert m["pg_loss"] == pytest.approx(loss, rel=1e-6) and m["loss"] == pytest.approx(loss, rel=1e-6)
 
 
@@ -57,7 +57,7 @@ def test_symmetric_clip_clips_where_clip_higher_does_not():
 def test_dual_clip_cap(ratio, adv, loss, capped):
     got, m, g = one_token(ratio, adv, LossConfig(dual_clip=3.0))
     assert got == pytest.approx(loss, rel=1e-6)
-    assert m["clip_frac_dual"] == capped
+    assert m["pg_clipfrac_lower"] == capped
     if capped:
         assert g == 0.0
     # without dual-clip the negative-advantage loss grows with the ratio
@@ -107,26 +107,26 @@ def test_kl_and_entropy_terms_enter_the_loss():
     mask = torch.ones(1, 2)
     cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
     loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, cfg, ref_logprobs=ref, entropy=ent)
-    assert m["kl"] == pytest.approx(0.0, abs=1e-7)  # k1: (log 2 - log 2) / 2
+    assert m["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # k1: (log 2 - log 2) / 2
     assert m["entropy"] == pytest.approx(2.0)
-    assert m["loss"] == pytest.approx(m["pg_loss"] + 0.1 * m["kl"] - 0.01 * m["entropy"])
+    assert m["loss"] == pytest.approx(m["pg_loss"] + 0.1 * m["kl_loss"] - 0.01 * m["entropy"])
     loss.backward()
     # d/dlogp of 0.1 * mean(logp - ref) = 0.05 per token; the entropy bonus lowers the loss as entropy grows
     torch.testing.assert_close(logp.grad, torch.tensor([[0.05, 0.05]]))
     torch.testing.assert_close(ent.grad, torch.tensor([[-0.005, -0.005]]))
     # a reference without kl_coef is still reported, but not optimised
     _, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, LossConfig(), ref_logprobs=ref)
-    assert m["kl"] == pytest.approx((0.5 - 1 + LOG2 + 2 - 1 - LOG2) / 2)
+    assert m["kl_loss"] == pytest.approx((0.5 - 1 + LOG2 + 2 - 1 - LOG2) / 2)
     assert m["loss"] == pytest.approx(0.0, abs=1e-7)
 
 
-def test_approx_kl_old_vs_new():
+def test_ppo_kl_old_vs_new_as_verl():
     old = torch.zeros(1, 2)
     new = torch.tensor([[LOG2, 0.0]])  # ratios 2 and 1
     _, m = policy_loss(new, old, torch.tensor([1.0]), torch.tensor([[1.0, 1.0]]), LossConfig(clip_high=2.0))
-    assert m["approx_kl"] == pytest.approx((2 - 1 - LOG2) / 2, rel=1e-6)
+    assert m["ppo_kl"] == pytest.approx((0 - LOG2 + 0) / 2, rel=1e-6)  # verl: mean of old - new log-probs
     _, m = policy_loss(old, old, torch.tensor([1.0]), torch.ones(1, 2), LossConfig())
-    assert m["approx_kl"] == 0.0 and m["clip_frac"] == 0.0
+    assert m["ppo_kl"] == 0.0 and m["pg_clipfrac"] == 0.0
 
 
 def test_gradient_direction_and_step():
@@ -155,10 +155,10 @@ def test_clip_fractions_add_up():
     adv = torch.randn(8, 16)
     mask = (torch.rand(8, 16) > 0.3).float()
     _, m = policy_loss(logp, old, adv, mask, LossConfig())
-    assert 0 < m["clip_frac_low"] and 0 < m["clip_frac_high"]
-    assert m["clip_frac"] == pytest.approx(m["clip_frac_low"] + m["clip_frac_high"])
-    assert set(m) >= {"pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "kl", "entropy",
-                      "loss"}
+    assert 0 < m["pg_clipfrac_below"] and 0 < m["pg_clipfrac_above"]
+    assert m["pg_clipfrac"] == pytest.approx(m["pg_clipfrac_below"] + m["pg_clipfrac_above"])
+    assert set(m) >= {"pg_loss", "pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "ppo_kl", "kl_loss",
+                      "entropy", "loss"}
     assert all(isinstance(v, float) for v in m.values())
 
 
@@ -180,3 +180,47 @@ def test_bad_input_and_config():
         LossConfig(kl_estimator="k5")
     with pytest.raises(ValueError, match="clip_low"):
         LossConfig(clip_low=1.0)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean"])
+def test_tree_form_equals_the_per_sequence_definition(aggregation):
+    """tree_policy_loss with per-token weights (pos/neg = c * A, weight = c) gives policy_loss's value, figures
+    and gradient, for random ratios spanning both clip ranges and the dual clip."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)  # exact comparisons: float32 rounding would dominate the differences
+    try:
+        _tree_form_matches(aggregation)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _tree_form_matches(aggregation):
+    from treepo_ray.algo.losses import tree_policy_loss
+
+    B, T = 4, 6
+    mask = (torch.rand(B, T) > 0.3).double()
+    mask[:, 0] = 1.0
+    adv = torch.randn(B, T)
+    old = -torch.rand(B, T) * 3
+    ref = -torch.rand(B, T) * 3
+    ent = torch.rand(B, T)
+    logp = (old + torch.randn(B, T)).requires_grad_()
+    cfg = LossConfig(aggregation=aggregation, dual_clip=1.5, kl_coef=0.1, entropy_coef=0.02)
+    want, figs = policy_loss(logp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
+    g_want, = torch.autograd.grad(want, logp)
+
+    c = (1.0 / mask.sum() * torch.ones(B, T) if aggregation == "token-mean"
+         else (1.0 / (mask.sum(-1, keepdim=True) * B)).expand(B, T))
+    keep = mask.bool()
+    w = torch.stack([torch.where(adv > 0, c * adv, 0.0), torch.where(adv < 0, c * adv, 0.0), c,
+                     torch.ones(B, T), (adv > 0).double(), (adv < 0).double()], dim=-1)[keep]
+    got, sums = tree_policy_loss(logp[keep], old[keep], w, cfg, ref_logprobs=ref[keep], entropy=ent[keep])
+    g_got, = torch.autograd.grad(got, logp)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-14)
+    for key in ("pg_loss", "kl_loss", "entropy"):
+        assert float(sums[key]) == pytest.approx(figs[key], rel=1e-12)
+    n = float(sums["count"])
+    for key in ("pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl"):
+        assert float(sums[key]) / n == pytest.approx(figs[key], rel=1e-12, abs=1e-14)
+    assert figs["pg_clipfrac_below"] > 0 and figs["pg_clipfrac_above"] > 0 and figs["pg_clipfrac_lower"] > 0

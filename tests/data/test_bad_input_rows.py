@@ -23,12 +23,14 @@ ROWS = [
 
 @pytest.fixture
 def bad_set(tmp_path):
-    """The data files, and a model directory holding only the tiny tokenizer (all set_up reads of the model)."""
+    """The data files, and a model directory holding only the tiny tokenizer and a config.json (all set_up reads of
+    the model before Ray: the context length)."""
     data, model = tmp_path / "data", tmp_path / "model"
     data.mkdir()
     (data / "train.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in ROWS) + "\n")
     (data / "test.jsonl").write_text(json.dumps({"problem": "5 + 5", "answer": "10"}) + "\n")
     build_tokenizer().save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 1024}))
     return [f"data.name={data}", f"model.path={model}"]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treepo_ray.data.evaluate import main as eval_main
+from treepo_ray.job.evaluate import main as eval_main
 from treepo_ray.data.pretrain import PretrainConfig, main as pretrain_main, prepare_base_model, settings_hash
 from treepo_ray.data.synthetic import SyntheticTaskConfig
 from treepo_ray.engines.tiny import TinyModelConfig
@@ -76,9 +76,9 @@ def test_pretrain_command(tmp_path, capsys):
 def test_eval_command_metrics_and_sweep(base_model, tmp_path):
     cache, path = base_model
     out = tmp_path / "ev"
-    argv = ["--model", str(path), "--data", "synthetic_addition", "--cache-dir", str(cache), "--limit", "5", "--n", "4", "--k", "1,2,4,8",
-            "--max-new-tokens", "24", "--segment-len", "8", "--out", str(out), "--sweep-divergence", "1,2",
-            "--sweep-rollouts", "1,2,4"]
+    argv = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=5", "trainer.eval_samples=4",
+            "eval.k=[1,2,4,8]", "trainer.eval_max_new_tokens=24", "rollout.treepo.segment_len=8", f"eval.out={out}",
+            "eval.sweep_divergence=[1,2]", "eval.sweep_rollouts=[1,2,4]"]
     assert eval_main(argv) == 0
     report = json.loads((out / "eval.json").read_text())
     m = report["metrics"]
@@ -95,11 +95,11 @@ def test_eval_command_metrics_and_sweep(base_model, tmp_path):
 
 def test_eval_tree_sampler_and_greedy(base_model, tmp_path):
     cache, path = base_model
-    common = ["--model", str(path), "--data", "synthetic_addition", "--cache-dir", str(cache), "--limit", "3",
-              "--max-new-tokens", "16",
-              "--segment-len", "8"]
-    assert eval_main(common + ["--sampler", "treepo", "--n", "4", "--divergence", "2", "--out", str(tmp_path / "t")]) == 0
+    common = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=3",
+              "trainer.eval_max_new_tokens=16", "rollout.treepo.segment_len=8"]
+    assert eval_main(common + ["eval.sampler=treepo", "trainer.eval_samples=4", "eval.divergence=2",
+                               f"eval.out={tmp_path / 't'}"]) == 0
     assert json.loads((tmp_path / "t" / "eval.json").read_text())["settings"]["sampler"] == "treepo"
-    assert eval_main(common + ["--temperature", "0", "--out", str(tmp_path / "g")]) == 0
+    assert eval_main(common + ["trainer.eval_temperature=0", f"eval.out={tmp_path / 'g'}"]) == 0
     m = json.loads((tmp_path / "g" / "eval.json").read_text())["metrics"]
     assert "overall/pass@1" in m and "overall/pass@4" not in m  # greedy: one answer each

@@ -26,6 +26,17 @@ def test_sample_inverse_cdf_with_top_k_and_top_p():
     assert tokens.tolist() == [0] * 6 and lps.tolist() == pytest.approx([torch.log(torch.tensor(0.5)).item()] * 6)
 
 
+def test_logprobs_are_at_each_rows_sampling_temperature():
+    """What the learner computes at learner.temperature (its behaviour log-probs): log softmax(logits / T), before
+    top-k/top-p; greedy rows (T = 0) report temperature 1."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]] * 3))
+    temp = torch.tensor([2.0, 0.5, 0.0])
+    u = torch.tensor([0.1, 0.1, 0.1])
+    tokens, lps = sample(logits, temp, torch.full((3,), 2), torch.ones(3), u)
+    want = [torch.log_softmax(logits[i] / t, -1)[tokens[i]].item() for i, t in enumerate([2.0, 0.5, 1.0])]
+    assert lps.tolist() == pytest.approx(want)
+
+
 def test_uniforms_are_a_function_of_seed_and_counter():
     a = uniforms([1, 2, 1], [0, 0, 1])
     assert a.tolist() == uniforms([1, 2, 1], [0, 0, 1]).tolist()

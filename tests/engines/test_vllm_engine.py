@@ -86,11 +86,13 @@ def _hf_greedy(model, prefix: list[int], max_new: int, eos: int | None = None) -
     return out
 
 
-def _hf_logprobs(model, prefix: list[int], continuation: list[int]) -> torch.Tensor:
-    """Log-prob of each continuation token under the model at temperature 1 over the full (padded) vocabulary."""
+def _hf_logprobs(model, prefix: list[int], continuation: list[int], temperature: float = 1.0,
+                 vocab: int | None = None) -> torch.Tensor:
+    """Log-prob of each continuation token under the model at `temperature` over the first `vocab` ids (None: the
+    full, padded vocabulary)."""
     ids = torch.tensor([prefix + continuation])
     with torch.no_grad():
-        logp = model(ids).logits[0].log_softmax(-1)
+        logp = (model(ids).logits[0, :, :vocab] / temperature).log_softmax(-1)
     pos = torch.arange(len(prefix) - 1, len(prefix) + len(continuation) - 1)
     return logp[pos, torch.tensor(continuation)]
 
@@ -122,7 +124,8 @@ def test_greedy_segments_equal_hf_greedy_with_hf_logprobs(engine, models):
         assert seg.token_ids == _hf_greedy(hf, prompt, 12)
         assert len(set(seg.token_ids)) > 3  # the model is not a trivial repeater
         assert seg.finish_reason == "length" and seg.cache_key is None
-        assert torch.allclose(torch.tensor(seg.logprobs), _hf_logprobs(hf, prompt, seg.token_ids), atol=1e-3)
+        want = _hf_logprobs(hf, prompt, seg.token_ids, vocab=TOKENIZER_VOCAB)  # greedy: temperature 1
+        assert torch.allclose(torch.tensor(seg.logprobs), want, atol=1e-3)
         assert res.weights_version == engine.weights_version
 
 
@@ -151,9 +154,10 @@ def test_two_level_tree_reuses_the_cached_prefix(engine, models):
     assert 0 < after["prefix_cache_hit_rate"] < 1
 
 
-def test_n_children_follow_the_seed_rule_and_report_temperature_one_logprobs(engine, models):
+def test_n_children_follow_the_seed_rule_and_report_sampling_temperature_logprobs(engine, models):
     """Child j of a seeded request samples as a single request with seed + j (the protocol's rule); the log-probs
-    are the model's at temperature 1 before top-k/top-p, whatever the sampling temperature."""
+    are the model's at the sampling temperature over the tokenizer's ids (vLLM's processed log-probs: after the
+    padding mask; top-k/top-p off here, as they would renormalise them)."""
     hf = models["a"][1]
     prompt = _prompt(5, 33)
     params = SamplingParams(temperature=0.8, top_p=0.95, top_k=100, seed=7)
@@ -167,8 +171,10 @@ def test_n_children_follow_the_seed_rule_and_report_temperature_one_logprobs(eng
     )
     assert [c.token_ids for c in fan.children] == [s.children[0].token_ids for s in singles]
     assert len({tuple(c.token_ids) for c in fan.children}) == 4
-    for child in fan.children:
-        assert torch.allclose(torch.tensor(child.logprobs), _hf_logprobs(hf, prompt, child.token_ids), atol=1e-3)
+    (warm,) = generate(engine, [SegmentRequest("t08", prompt, 10, n=2, params=SamplingParams(0.8, seed=7))])
+    for child in warm.children:
+        want = _hf_logprobs(hf, prompt, child.token_ids, 0.8, TOKENIZER_VOCAB)
+        assert torch.allclose(torch.tensor(child.logprobs), want, atol=1e-3)
     # top_k=1 at temperature 1 is greedy: top_k reaches the sampler.
     (top1,) = generate(engine, [SegmentRequest("k1", prompt, 10, params=SamplingParams(1.0, 1.0, 1, seed=3))])
     assert top1.children[0].token_ids == _hf_greedy(hf, prompt, 10)
@@ -215,7 +221,8 @@ def test_continuous_batching_and_bad_requests(engine, models):
 
 def test_load_weights_switches_models_and_versions(engine, models):
     """Loading model b's weights makes the engine generate b's greedy output, reported under the new version;
-    a zeroed final norm makes every logit 0, so greedy emits EOS (id 0) with log-prob -log(320)."""
+    a zeroed final norm makes every logit 0, so greedy emits EOS (id 0) with log-prob -log(tokenizer's vocabulary):
+    the padding ids are masked before the (processed) log-probs are taken."""
     path_b, hf_b = models["b"]
     hf_a = models["a"][1]
     prompt = _prompt(9, 40)
@@ -231,7 +238,7 @@ def test_load_weights_switches_models_and_versions(engine, models):
         engine.load_weights({"model.norm.weight": torch.zeros(128)}, version=v + 2)
         (eos,) = generate(engine, [SegmentRequest("eos", prompt, 10, params=GREEDY)])
         assert eos.children[0].token_ids == [0] and eos.children[0].finish_reason == "eos"
-        assert eos.children[0].logprobs == pytest.approx([-math.log(MODEL_VOCAB)], abs=1e-5)
+        assert eos.children[0].logprobs == pytest.approx([-math.log(TOKENIZER_VOCAB)], abs=1e-5)
         (no_stop,) = generate(engine, [SegmentRequest("eos2", prompt, 3, params=GREEDY, stop_at_eos=False)])
         assert no_stop.children[0].token_ids == [0, 0, 0] and no_stop.children[0].finish_reason == "length"
         with pytest.raises(ValueError, match="load_weights"):

@@ -20,3 +20,39 @@ def samples() -> list[TrainSample]:
 def params(learner) -> dict:
     """A copy of the learner's trainable parameters by name."""
     return {k: v.detach().clone() for k, v in learner.model.named_parameters()}
+
+
+def random_tree(rng, prompt_len=(2, 5), depth=(1, 4), branch=(1, 3), seg=(1, 4), vocab=40, query_id="t"):
+    """A scored rollout tree (tree.Tree) of random shape, tokens, sampled log-probs and 0/1 rewards; every leaf
+    ends a trajectory, and at least one reward differs when there are two or more leaves."""
+    from treepo_ray.tree import Tree
+
+    t = Tree(prompt_ids=rng.integers(2, vocab, rng.integers(*prompt_len)).tolist(), query_id=query_id)
+    frontier = [0]
+    for _ in range(int(rng.integers(*depth))):
+        nxt = []
+        for node in frontier:
+            for _ in range(int(rng.integers(*branch))):
+                n = int(rng.integers(*seg))
+                nxt.append(t.add_node(node, rng.integers(2, vocab, n).tolist(), (-rng.random(n) * 2).tolist()))
+        frontier = nxt
+    t.trajectories = t.leaves()
+    rewards = rng.integers(0, 2, len(t.trajectories)).astype(float)
+    if len(rewards) > 1 and rewards.min() == rewards.max():
+        rewards[0] = 1.0 - rewards[0]
+    t.set_trajectory_rewards(rewards.tolist())
+    return t
+
+
+def random_train_trees(rng, algorithm: str, n: int = 3, **shape):
+    """`n` random trees with `algorithm`'s credit (CATPO: random tree weights, one of them 0) as TrainTrees."""
+    from treepo_ray.job.config import AlgoConfig
+    from treepo_ray.learner import train_trees
+
+    if algorithm in ("grpo", "dapo"):  # sequential sampling: a root with chains of one segment
+        shape = {"depth": (1, 2), "branch": (3, 6), **shape}
+    trees = [random_tree(rng, query_id=f"q{i}", **shape) for i in range(n)]
+    weights = None
+    if algorithm == "catpo":
+        weights = [0.0] + [float(w) for w in rng.uniform(0.5, 2.0, n - 1)]
+    return train_trees(trees, AlgoConfig(name=algorithm).credit(trees), weights)

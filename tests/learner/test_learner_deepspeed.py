@@ -61,7 +61,7 @@ def test_deepspeed_zero2_two_ranks(tiny, tmp_path):
     assert type(single.strategy) is Strategy
     want = [single.train_step(samples()) for _ in range(2)]
     for g, w in zip(r["metrics"], want):
-        for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "tokens"):
+        for key in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm", "tokens"):
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), key
     for k, v in single.export_weights().items():
         torch.testing.assert_close(r["w2"][k], v, atol=1e-5, rtol=0)

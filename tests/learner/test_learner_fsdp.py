@@ -1,28 +1,41 @@
-"""Two FSDP2 ranks over gloo, each with a share of the batch, train exactly like one process on all of it."""
+"""Two FSDP2 ranks over gloo, each with a share of the batch, train exactly like one process on all of it: packed
+trees (token-mean, and the per-node loss with tree weights) and unpadded rows (seq-mean)."""
 
 import dataclasses
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from treepo_ray.algo.losses import LossConfig
-from treepo_ray.learner import Learner, LearnerConfig, TrainSample
+from treepo_ray.learner import Learner, LearnerConfig, TrainSample, shard_trees
 from treepo_ray.learner.strategy import FSDP2
-from learner_testlib import SHARDS, samples
+from learner_testlib import SHARDS, random_train_trees, samples
 
 pytestmark = pytest.mark.slow
 
-AGGREGATIONS = ("token-mean", "seq-mean")
+AGGREGATIONS = ("token-mean", "node-mean", "seq-mean")
+PACKING = {"token-mean": "tree", "node-mean": "tree", "seq-mean": "none"}
+
+
+def _batch(aggregation: str, rank: int | None = None) -> list:
+    """The whole batch (rank None) or a rank's share: random trees (packed; split under a 20-token budget), or
+    the samples of learner_testlib (unpacked rows)."""
+    if PACKING[aggregation] == "none":
+        return samples() if rank is None else samples()[SHARDS[rank]]
+    algorithm = "catpo" if aggregation == "node-mean" else "treepo"
+    trees = random_train_trees(np.random.default_rng(11), algorithm, n=5, vocab=200)
+    return trees if rank is None else shard_trees(trees, rank, 2)
 
 
 def _config(aggregation: str) -> LearnerConfig:
     # KL (so a sharded reference model) and an entropy bonus are on, to cover every term of the loss. Adam's first
     # steps are about lr * sign(g); eps = 1e-5 keeps summation-order noise in near-zero gradients (~1e-10) from
     # being blown up to lr-sized weight differences.
-    return LearnerConfig(lr=1e-3, eps=1e-5, micro_batch_size=2, loss=LossConfig(aggregation=aggregation, kl_coef=0.05,
-                                                                      entropy_coef=0.01))
+    return LearnerConfig(lr=1e-3, eps=1e-5, micro_batch_size=2, micro_batch_tokens=20, packing=PACKING[aggregation],
+                         loss=LossConfig(aggregation=aggregation, kl_coef=0.05, entropy_coef=0.01))
 
 
 STEPS = 2
@@ -34,7 +47,7 @@ def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     for aggregation in AGGREGATIONS:
         learner = Learner(model_path, _config(aggregation), rank=rank, world_size=2, master_port=port)
         assert type(learner.strategy) is FSDP2
-        metrics = [learner.train_step(samples()[SHARDS[rank]]) for _ in range(STEPS)]
+        metrics = [learner.train_step(_batch(aggregation, rank)) for _ in range(STEPS)]
         weights = learner.export_weights()
         if aggregation == "token-mean":
             learner.save_checkpoint(f"{out_dir}/checkpoint-00000002", {"step": STEPS})
@@ -58,12 +71,12 @@ def test_two_fsdp2_ranks_match_one_process(tiny, tmp_path):
 
     for aggregation in AGGREGATIONS:
         single = Learner(tiny, _config(aggregation))
-        want = [single.train_step(samples()) for _ in range(STEPS)]
+        want = [single.train_step(_batch(aggregation)) for _ in range(STEPS)]
         got_metrics, got_weights = results[aggregation]
         for g, w in zip(got_metrics, want):
-            for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "samples"):
+            for key in ("loss", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens", "samples"):
                 assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (aggregation, key)
-        assert got_metrics[1]["kl"] > 0 and got_metrics[1]["version"] == STEPS
+        assert got_metrics[1]["kl_loss"] > 0 and got_metrics[1]["version"] == STEPS
         reference = single.export_weights()
         assert got_weights.keys() == reference.keys()
         for k, v in reference.items():

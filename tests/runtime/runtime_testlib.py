@@ -1,6 +1,7 @@
 """What the runtime tests share: small runs of the default job, set up exactly as `treepo-ray train` sets them up
 (job.config.load_config, then runtime.train.set_up)."""
 
+import struct
 from pathlib import Path
 
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
@@ -30,3 +31,28 @@ def two_engines(tiny: str, *extra: str) -> list[str]:
 def job(overrides: list[str], config: Path = DEFAULT_CONFIG) -> Job:
     """The config, tokenizer and prompts of a run (Ray is already up: set_up joins it)."""
     return set_up(load_config(config, overrides))
+
+
+def wandb_logged_keys(run_dir: Path) -> set[str]:
+    """The metric keys of every history record in the offline W&B runs under `run_dir` (read from the .wandb files:
+    W&B's record log, 32 KiB blocks of chunks with a 7-byte header: CRC, length, kind)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    keys: set[str] = set()
+    for path in Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"):
+        data, pos, block, record = path.read_bytes(), 7, 32768, b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            record += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4) and record:  # a full record, or the last chunk of one
+                r = pb.Record()
+                r.ParseFromString(record)
+                record = b""
+                if r.WhichOneof("record_type") == "history":
+                    keys |= {item.key or "/".join(item.nested_key) for item in r.history.item}
+    return keys

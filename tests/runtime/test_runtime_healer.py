@@ -1,7 +1,8 @@
 """The healer (runtime/healer.py) in a real small CATPO run on local Ray with a real (random) tiny model: every tree
 is verified, scored, found dead-wrong (a random model never answers right) and healed by the healer actor on the
 generator pool; grafted branches carry their tokens' log-probs given the tree's own prefix, are verified, and train
-like sampled ones. A heal the engine refuses is recorded and the tree kept."""
+like sampled ones. A heal the engine refuses is recorded and the tree kept. A lost healer is replaced and the trees
+that waited on it grown again into the same trees."""
 
 import asyncio
 
@@ -14,6 +15,7 @@ from treepo_ray.healing.logprobs import teacher_forced_logprobs
 from treepo_ray.job.config import CONFIG_DIR, load_config
 from treepo_ray.runtime.healer import make_healer, score_and_heal
 from treepo_ray.runtime.pipeline import Pipeline
+from treepo_ray.runtime.recovery import kill_actor
 from treepo_ray.tree.tree import Tree
 from runtime_testlib import CACHE, job
 
@@ -53,8 +55,10 @@ def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
         for node in grafted:
             assert tree.parent[node] == 0 and 1 <= len(tree.tokens[node]) <= 8  # cut to the step length
             assert tree.reward[node] in (0.0, 1.0)  # verified
-            # log-probs of the grafted tokens given the tree's prompt, not the critique prompt (base weights)
-            want = teacher_forced_logprobs(hf, tree.prompt_ids, tree.tokens[node], vocab_size=vocab)
+            # log-probs of the grafted tokens given the tree's prompt, not the critique prompt (base weights), at
+            # the tree's sampling temperature (the learner's behaviour log-probs)
+            want = teacher_forced_logprobs(hf, tree.prompt_ids, tree.tokens[node], vocab_size=vocab,
+                                           temperature=run.cfg.rollout.temperature)
             assert tree.logprobs[node] == pytest.approx(want, abs=1e-4)
         # the root's reward is re-propagated over all of its children, grafts included
         kids = tree.children(0)
@@ -66,7 +70,7 @@ def test_dead_wrong_trees_are_healed_on_the_pool_and_trained(pipeline, tiny):
 
     rows = []
     done = pipe.train(0, 1, PromptStream(run.train_set, 0, position=4), lambda b, mm: rows.append(mm) or True)
-    assert done == 1 and rows[0]["train/samples"] == 24 and rows[0]["catpo/heal_attempts"] == 4
+    assert done == 1 and rows[0]["actor/samples"] == 24 and rows[0]["catpo/heal_attempts"] == 4
 
 
 def test_a_heal_the_engine_refuses_is_recorded_and_the_tree_kept(pipeline, tiny):
@@ -88,3 +92,18 @@ def test_a_heal_the_engine_refuses_is_recorded_and_the_tree_kept(pipeline, tiny)
     assert out is tree and len(tree) == 3 and tree.trajectories == [1, 2]
     assert "prefix + max_new_tokens" in tree.meta["catpo"]["heal"]["error"]
     assert tree.meta["catpo"]["regime"] == "dead_wrong"
+
+
+def test_a_lost_healer_is_replaced_and_its_trees_grown_again(pipeline):
+    pipe, run = pipeline
+    prompts = PromptStream(run.train_set, 0, position=8).take(4)
+    clean = pipe.grow(prompts)
+    pipe.fault_metrics()  # drain what earlier tests left
+    lost = pipe.healers[0]
+    kill_actor(lost, "signal")  # every tree of the batch is dead-wrong: all of them wait on the healer
+    again = pipe.grow(prompts)
+    faults = pipe.fault_metrics()
+    assert pipe.healers[0] is not lost and faults["fault/healers_lost"] == 1 and faults["fault/regrown_prompts"] == 4
+    assert [t.tokens for t in again] == [t.tokens for t in clean]  # healed again with the same seeds: same grafts
+    assert [t.reward for t in again] == [t.reward for t in clean]
+    assert all(len(t.meta["grafted"]) == 2 for t in again)

@@ -1,13 +1,19 @@
 """The learner group (runtime/learner.py) on a real local Ray with a real (random) tiny model: two ranks joined by
-torch.distributed (gloo) train as one learner, export the weights and publish them for the generators."""
+torch.distributed (gloo) train as one learner, export the weights and publish them for the generators; a rank that
+cannot be scheduled stops the run in time, named with the resources it asked for."""
+
+import time
 
 import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM
 
+from treepo_ray.engines.weights import unpack
+from treepo_ray.job.config import DeadlineConfig
 from treepo_ray.learner import LearnerConfig, TrainSample
 from treepo_ray.runtime.learner import LearnerGroup
+from treepo_ray.runtime.liveness import DeadlineExceeded
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +30,26 @@ def test_learner_group_two_ranks_train_export_and_publish(ray_local, tiny):
         before = AutoModelForCausalLM.from_pretrained(tiny).state_dict()
         assert set(exported) >= {k for k in before if k != "lm_head.weight"}
         assert any(not torch.equal(exported[k], before[k]) for k in exported)
-        # What the pool loads: the weights after the step, under the version they were published as.
+        # What the pool loads: the weights after the step, under the version they were published as (one packed
+        # object-store copy, float32 by default).
         group.publish(1)
-        version, ref = group.published
-        published = ray.get(ref)
-        assert version == 1 and all(torch.equal(published[k], exported[k]) for k in exported)
+        version, weights = group.published
+        packed = ray.get(weights.packed)
+        published = unpack(packed.specs, packed.buffer)
+        assert version == 1 and set(published) == set(exported)
+        assert all(torch.equal(published[k], exported[k]) for k in published)
     finally:
         for r in group.ranks:
             ray.kill(r)
+
+
+def test_a_learner_that_cannot_be_scheduled_is_named_with_what_it_asked_for(ray_local, tiny):
+    with pytest.raises(DeadlineExceeded, match=r"not started within 2s \(runtime.deadlines.start_s\): learner rank 0 "
+                                               r"\(asks \{'CPU': 1, 'learner_gpu': 1\}\); the cluster has free"):
+        LearnerGroup(tiny, LearnerConfig(), world_size=1, num_cpus=1, resources={"learner_gpu": 1},
+                     deadlines=DeadlineConfig(start_s=2))
+    # Nothing is left pending (an autoscaler would chase its demand): the whole cluster is free again.
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 2

@@ -1,10 +1,20 @@
 """The asynchronous loop (runtime/pipeline.py) on a real local Ray with a real (random) tiny model: rollout and
-learning overlap within the staleness bound, and DAPO refills a batch until it holds mixed groups only."""
+learning overlap within the staleness bound, and DAPO refills a batch until it holds mixed groups only; a scheduler
+killed or stopped mid-batch is replaced and its prompts grown again into the same trees; the batches waiting in the
+queue at a checkpoint are trained after a restart as they were grown."""
+
+import json
+import os
+import signal
+import threading
+import time
 
 import pytest
+import ray
 
 from treepo_ray.data.prompts import PromptStream
 from treepo_ray.runtime.pipeline import Pipeline
+from treepo_ray.runtime.recovery import kill_actor
 from runtime_testlib import job, small
 
 pytestmark = pytest.mark.slow
@@ -23,7 +33,7 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         assert versions[:2] == [0, 0] and versions == sorted(versions)
         assert [m["perf/staleness"] for _, m in rows][:2] == [0, 1]
         assert all(0 <= m["perf/staleness"] <= 1 for _, m in rows)
-        assert all(m["train/samples"] == 16 and m["train/skipped"] == 0 for _, m in rows)
+        assert all(m["actor/samples"] == 16 and m["actor/skipped"] == 0 for _, m in rows)
         assert all(m["tree/forward_tokens"] > 0 and 0 < m["tree/forward_per_unique"] for _, m in rows)
         assert [b.data_position for b, _ in rows] == [4, 8, 12, 16]
         # The weights that grew the last batch, which the pool owns and every engine runs.
@@ -47,3 +57,79 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         assert all(len(set(t["reward"][n] for n in t["trajectories"])) == 2 for t in batch.trees)
     finally:
         pipe.shutdown()
+
+
+def when_engines_are_busy(pipe, then) -> threading.Thread:
+    """A thread that calls `then()` as soon as an engine has sequences running (a batch is half grown)."""
+    def watch():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(s["running"] for s in pipe.pool.stats()):
+            time.sleep(0.002)
+        then()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_scheduler_killed_or_stuck_mid_batch_is_replaced_and_its_prompts_grown_again(ray_local, tiny):
+    run = job(small(tiny, "runtime.num_schedulers=2", "rollout.treepo.max_depth=4", "rollout.treepo.segment_len=16",
+                    "runtime.deadlines.heartbeat_s=2"))
+    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
+    prompts = PromptStream(run.train_set, 0).take(8)
+    try:
+        clean = pipe.grow(prompts)
+        first = pipe.schedulers[0]
+        killer = when_engines_are_busy(pipe, lambda: kill_actor(first, "signal"))
+        killed = pipe.grow(prompts)
+        killer.join()
+        second = pipe.schedulers[1]
+        pid = ray.get(second.__ray_call__.remote(lambda _: os.getpid()))
+        stopper = when_engines_are_busy(pipe, lambda: os.kill(pid, signal.SIGSTOP))  # alive, not answering
+        stuck = pipe.grow(prompts)
+        stopper.join()
+        faults = pipe.fault_metrics()
+        replaced = pipe.schedulers[0] is not first and pipe.schedulers[1] is not second
+    finally:
+        pipe.shutdown()
+    assert replaced
+    assert faults["fault/schedulers_lost"] == 2 and faults["fault/schedulers_stuck"] == 1
+    assert faults["fault/regrown_prompts"] == 8  # each time the scheduler's shard of 4 prompts
+    # The same seeds: the regrown shards are the trees the lost schedulers were growing, token for token.
+    for trees in (killed, stuck):
+        assert [t.query_id for t in trees] == [p.id for p in prompts]
+        assert [t.tokens for t in trees] == [t.tokens for t in clean]
+        assert [t.reward for t in trees] == [t.reward for t in clean]
+
+
+def test_batches_waiting_at_a_checkpoint_are_trained_after_a_restart_as_they_were_grown(ray_local, tiny):
+    run = job(small(tiny, "runtime.max_staleness=1", "learner.micro_batch_size=1"))  # slow steps: growth runs ahead
+    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
+    saved, rows = {}, []
+
+    def until_checkpoint(batch, metrics):
+        if batch.step < 1:
+            return True
+        # The checkpoint after step 2: batch 2, grown with weights v1 while step 2 trained, waits in the queue.
+        deadline = time.monotonic() + 60
+        while not pipe.queued_batches() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        saved["batches"] = pipe.queued_batches()
+        saved["records"] = json.loads(json.dumps([b.to_record() for b in saved["batches"]]))  # as the file has them
+        return False  # the driver stops here
+
+    try:
+        assert pipe.train(0, 6, PromptStream(run.train_set, 0), until_checkpoint, 4) == 2
+        waiting = saved["batches"][0]
+        assert [r["step"] for r in saved["records"]] == [2] and waiting.version in (1, 2)
+        queued = [pipe.batch_from_record(r) for r in saved["records"]]
+        assert ray.get(queued[0].samples) == ray.get(waiting.samples)  # credit recomputed from the saved trees
+        stream = PromptStream(run.train_set, 0, position=queued[-1].data_position)
+        assert pipe.train(2, 4, stream, lambda b, m: rows.append((b, m)) or True, 4, queued=queued) == 4
+    finally:
+        pipe.shutdown()
+    (b2, m2), (b3, m3) = rows
+    # Step 2 trained the saved batch as it was grown (in general with weights v1, one version stale), not grown
+    # again with the weights of the checkpoint (v2).
+    assert b2.version == waiting.version and m2["perf/staleness"] == 2 - waiting.version and b2.trees == waiting.trees
+    assert m2["actor/samples"] == 16 and b3.data_position == waiting.data_position + 4

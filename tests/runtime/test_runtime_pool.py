@@ -1,10 +1,14 @@
 """The generator pool (runtime/pool.py): the routing every copy does (sticky, balanced, re-homed on a loss, the dead
 never re-admitted), resource fitting, the engine's fallback to prefix ids that makes a re-sent request safe, an
-engine that cannot start, and engines killed mid-segment during a real run on a local Ray."""
+engine that cannot start, and, during real runs on a local Ray, engines killed mid-segment, an engine that stops
+answering (SIGSTOP) and an engine whose step raises an out-of-memory error."""
 
+import os
+import signal
 import time
 
 import pytest
+import ray
 
 from treepo_ray.data.prompts import PromptStream
 from treepo_ray.runtime.pipeline import Pipeline
@@ -14,8 +18,8 @@ from treepo_ray.runtime.registry import actor_id
 from runtime_testlib import job, two_engines
 
 # A copy's routing fields (GeneratorPool._ROUTING) as a freshly pickled pool has them, before any member list.
-FRESH_ROUTING = dict(registry=None, max_resends=16, refresh_s=0.5, engine_wait_s=900.0, _epoch=0, _engines={},
-                     _trees={}, _home={}, _dead=set())
+FRESH_ROUTING = dict(registry=None, max_resends=16, refresh_s=0.5, engine_wait_s=900.0, deadlines=None,
+                     max_engine_errors=3, _epoch=0, _engines={}, _trees={}, _home={}, _dead=set())
 
 
 def routing_copy(engines: dict) -> GeneratorPool:
@@ -77,7 +81,7 @@ def kill_a_busy_engine(pipe, how: str) -> bool:
 
 def full_trees(batch, metrics, width=4, prompts=4):
     """Every prompt of the step came back with its full set of finished trajectories."""
-    return (metrics["train/samples"] == width * prompts and len(batch.trees) == prompts
+    return (metrics["actor/samples"] == width * prompts and len(batch.trees) == prompts
             and all(len(t["trajectories"]) == width for t in batch.trees))
 
 
@@ -110,7 +114,7 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
     assert caught == [True, True]
     # Every step trained once, in order, on full trees (learner version = steps trained).
     assert [b.step for b, _ in clean + faulty] == list(range(6))
-    assert [m["train/version"] for _, m in clean + faulty] == [1, 2, 3, 4, 5, 6]
+    assert [m["actor/version"] for _, m in clean + faulty] == [1, 2, 3, 4, 5, 6]
     assert all(full_trees(b, m) for b, m in clean + faulty)
     faults = {}
     for key in ("fault/resent_requests", "fault/engines_lost"):
@@ -122,3 +126,73 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
         assert [t["tokens"] for t in b0.trees] == [t["tokens"] for t in b1.trees]
         assert [t["reward"] for t in b0.trees] == [t["reward"] for t in b1.trees]
         assert all(t["meta"]["weights_version"] == b1.version for t in b1.trees)
+
+
+def busy_engine(pipe):
+    """An engine with sequences running (mid-segment), or None."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        busy = [s["engine_id"] for s in pipe.pool.stats() if s["running"] > 0]
+        if busy:
+            return next(e for e in pipe.pool.engines() if actor_id(e) == busy[0])
+        time.sleep(0.005)
+    return None
+
+
+def fail_next_step(engine) -> None:
+    """Make the engine's next decode step raise torch.OutOfMemoryError, once (what a real OOM raises)."""
+    def arm(actor):
+        import torch
+
+        step = actor.engine.step
+
+        def failing():
+            actor.engine.step = step
+            raise torch.OutOfMemoryError("CUDA out of memory (raised on purpose by the test)")
+
+        actor.engine.step = failing
+
+    ray.get(engine.__ray_call__.remote(arm), timeout=30)
+
+
+@pytest.mark.slow
+def test_a_stuck_engine_and_an_engine_error_are_replaced_and_change_nothing(ray_local, tiny):
+    # As above: a negligible learning rate, so the same prompts must give the same trees with and without faults.
+    run = job(two_engines(tiny, "learner.lr=1e-30", "runtime.deadlines.heartbeat_s=2"))
+    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
+    clean, faulty, done_to = [], [], {}
+
+    def on_faulty_step(batch, metrics):
+        faulty.append((batch, metrics))
+        if batch.step == 3:  # the producer grows batch 4: one engine stops answering, alive (SIGSTOP)
+            victim = busy_engine(pipe)
+            pid = ray.get(victim.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            os.kill(pid, signal.SIGSTOP)
+            done_to["stopped"] = pid
+        if batch.step == 4:  # the next decode step of an engine raises out of memory
+            fail_next_step(pipe.pool.engines()[0])
+            done_to["armed"] = True
+        return True
+
+    try:
+        assert pipe.train(0, 3, PromptStream(run.train_set, 0), lambda b, m: clean.append((b, m)) or True, 4) == 3
+        start = time.monotonic()
+        assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4) == 6
+        took = time.monotonic() - start
+        deadline = time.monotonic() + 60
+        while pipe.pool.size != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the replacements joined
+        assert pipe.pool.size == 2
+        tail = pipe.fault_metrics()
+    finally:
+        pipe.shutdown()
+    assert "stopped" in done_to and done_to["armed"] and took < 120
+    faults = {k: sum(m.get(k, 0.0) for _, m in faulty) + tail.get(k, 0.0)
+              for k in ("fault/engines_stuck", "fault/engine_errors", "fault/resent_requests")}
+    # Each failed call counts: the stuck engine's and the failed step's callers all re-send.
+    assert faults["fault/engines_stuck"] >= 1 and faults["fault/engine_errors"] >= 1, faults
+    assert faults["fault/resent_requests"] >= 2
+    assert [b.step for b, _ in clean + faulty] == list(range(6)) and all(full_trees(b, m) for b, m in faulty)
+    for (b0, _), (b1, _) in zip(clean, faulty):  # the same prompts (both streams start at 0), the same trees
+        assert [t["tokens"] for t in b0.trees] == [t["tokens"] for t in b1.trees]
+        assert [t["reward"] for t in b0.trees] == [t["reward"] for t in b1.trees]

@@ -68,5 +68,5 @@ def test_pool_grows_on_a_new_node_and_shrinks_when_the_node_goes(cluster, tiny):
     assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1 and 1 in sizes[sizes.index(2):]
     # Training went on throughout: every step trained once on full trees.
     assert [b.step for b, _ in rows] == list(range(6))
-    assert all(m["train/samples"] == 16 and m["train/version"] == b.step + 1 for b, m in rows)
+    assert all(m["actor/samples"] == 16 and m["actor/version"] == b.step + 1 for b, m in rows)
     assert all(len(t["trajectories"]) == 4 for b, _ in rows for t in b.trees)

@@ -1,5 +1,6 @@
-"""Verification on Ray (runtime/verifier.py): a verifier's answer always becomes finite rewards, and the front retries
-a lost or hung verifier, then scores the call's solutions as failures (real local Ray, real verifiers)."""
+"""Verification on Ray (runtime/verifier.py): a verifier's answer becomes finite rewards or None (failed), the front
+retries a lost or hung verifier, then fails the call's solutions (real local Ray, real verifiers); its time limit
+counts from the start of scoring; failed trajectories are left out of the tree and counted per step."""
 
 import math
 
@@ -10,17 +11,41 @@ from treepo_ray.data.synthetic import DATA_SOURCE
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
 from treepo_ray.runtime.recovery import kill_actor
 from treepo_ray.runtime.registry import RuntimeRegistry
-from treepo_ray.runtime.verifier import VerifierFront, VerifierPool, sanitize_scores
+from treepo_ray.runtime.verifier import (
+    VerifierFront,
+    VerifierPool,
+    leave_out_unverified,
+    sanitize_scores,
+    verification_metrics,
+)
+from treepo_ray.tree import Tree
 
 
 def test_sanitize_scores_turns_nan_inf_and_garbage_into_failures():
-    out, reasons = sanitize_scores([1.0, math.nan, -math.inf, "x", 0.5], 5, failure_score=-1.0)
-    assert out == [1.0, -1.0, -1.0, -1.0, 0.5]
+    out, reasons = sanitize_scores([1.0, math.nan, -math.inf, "x", 0.5], 5)
+    assert out == [1.0, None, None, None, 0.5]
     assert len(reasons) == 3 and "score 1 is nan" in reasons[0]
-    out, reasons = sanitize_scores([1.0], 3, failure_score=0.0)  # a wrong count fails the whole call
-    assert out == [0.0, 0.0, 0.0] and "1 scores for 3 solutions" in reasons[0]
-    out, reasons = sanitize_scores(None, 2, failure_score=0.0)
-    assert out == [0.0, 0.0] and reasons
+    out, reasons = sanitize_scores([1.0], 3)  # a wrong count fails the whole call
+    assert out == [None, None, None] and "1 scores for 3 solutions" in reasons[0]
+    out, reasons = sanitize_scores(None, 2)
+    assert out == [None, None] and reasons
+
+
+def fan(n: int) -> Tree:
+    t = Tree(prompt_ids=[1], query_id="q")
+    t.trajectories = [t.add_node(0, [10 + i], [-1.0], "eos") for i in range(n)]
+    return t
+
+
+def test_failed_verifications_are_left_out_and_a_step_with_too_many_stops_the_run():
+    tree = leave_out_unverified(fan(4), [1.0, None, 0.0, None])
+    assert [tree.response_ids(n) for n in tree.trajectories] == [[10], [12]]  # never trained as wrong answers
+    assert [tree.reward[n] for n in tree.trajectories] == [1.0, 0.0] and tree.meta["verify_failed"] == 2
+    clean = leave_out_unverified(fan(4), [1.0, 0.0, 1.0, 1.0])
+    assert "verify_failed" not in clean.meta and len(clean.trajectories) == 4
+    assert verification_metrics([tree, clean], 0.5) == {"verify/failed": 2.0, "verify/failed_share": 0.25}
+    with pytest.raises(RuntimeError, match=r"2 of 8 trajectories .* \(25% > runtime.faults.max_verify_failed_share"):
+        verification_metrics([tree, clean], 0.2)
 
 
 @pytest.mark.slow
@@ -39,15 +64,33 @@ def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
         kinds = [k for _, k, _, _ in ray.get(registry.drain.remote())]
         assert kinds and set(kinds) == {"verifier_retries"}  # retried, never failed
         # A call longer than the limit (a tower sympy tries to expand; the verifier's own per-item deadline is 5 s):
-        # retried once, then the items score as failures with the reason logged; the hung verifiers are restarted.
-        impatient = VerifierFront.remote(pool.verifiers, registry, 1, 1.0, -1.0)
+        # retried once, then the items fail (None) with the reason logged; the hung verifiers are restarted.
+        impatient = VerifierFront.remote(pool.verifiers, registry, 1, 1.0)
         hard = [("math", r"\boxed{10^{10^{10}}}", "5"), items[0]]
-        assert ray.get(impatient.score.remote(hard)) == [-1.0, -1.0]
+        assert ray.get(impatient.score.remote(hard)) == [None, None]
         events = ray.get(registry.drain.remote())
         assert [k for _, k, _, _ in events] == ["verifier_retries", "verifier_failures"]
-        assert "timed out after 1s" in events[-1][2] and events[-1][3] == 2
+        assert "timed out after 1s of scoring" in events[-1][2] and events[-1][3] == 2
         ray.kill(impatient)
         assert ray.get(pool.score(items), timeout=60) == [1.0, 0.0]  # the timed-out verifiers came back
+    finally:
+        for actor in pool.actors() + [registry]:
+            ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_the_time_limit_counts_from_the_start_of_scoring_not_from_the_queue(ray_local):
+    registry = RuntimeRegistry.remote()
+    faults = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=0",
+                                          "runtime.faults.verifier_call_timeout_s=3"]).runtime.faults
+    pool = VerifierPool.start(1, 0, 1.2, registry, faults)  # one verifier; each tower takes its 1.2 s per-item limit
+    tower = ("math", r"\boxed{10^{10^{10}}}", "5")
+    try:
+        # Two calls at once on one verifier: the second scores for 1.2 s after waiting 2.4 s for the first. Counted
+        # from when it was sent (3.6 s) it would be killed; counted from the start of its scoring it is in time.
+        first, second = pool.score([tower, tower]), pool.score([tower])
+        assert ray.get([first, second], timeout=60) == [[0.0, 0.0], [0.0]]  # wrong answers, not failures
+        assert ray.get(registry.drain.remote()) == []
     finally:
         for actor in pool.actors() + [registry]:
             ray.kill(actor)

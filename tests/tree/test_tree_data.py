@@ -66,3 +66,14 @@ def test_json_round_trip():
 def test_bad_input_is_rejected(call, message):
     with pytest.raises(ValueError, match=message):
         call(small_tree())
+
+
+def test_keep_trajectories_leaves_the_others_out_as_if_never_sampled():
+    t = small_tree()
+    kept = t.keep_trajectories([0, 2])  # trajectory 1 (node 4) could not be verified
+    assert kept.trajectories == [3, 4] and kept.parent == [-1, 0, 0, 1, 2]
+    assert [kept.response_ids(n) for n in kept.trajectories] == [[1, 2, 4], [3, 9]]
+    assert kept.leaves() == kept.trajectories and t.trajectories == [3, 4, 5]  # the original is untouched
+    kept.set_trajectory_rewards([1.0, 0.0])
+    assert kept.reward[0] == 0.5
+    assert t.keep_trajectories([]).parent == [-1] and t.keep_trajectories([]).trajectories == []

@@ -8,6 +8,7 @@ a tree too (a root with G chains), so one code path serves all of them. The resu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,21 @@ ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 
 Advantage = float | list[float]
 """Of one trajectory: one number for its whole response, or one per response token."""
+
+PER_NODE = ("treerpo", "catpo")
+"""Algorithms whose loss counts each node once (CATPO eq. 7), from per-node advantages."""
+
+
+@dataclass
+class TreeCredit:
+    """One tree's credit, as the learner takes it."""
+
+    trajectories: list[Advantage]
+    """Every trajectory's advantage (tree_advantages): what the per-trajectory losses train on."""
+    nodes: list[float] | None = None
+    """Per-node algorithms: each node's advantage (0 for the root)."""
+    node_mask: list[bool] | None = None
+    """Per-node algorithms: the nodes that take part in the loss (TreeRPO's pruning; False for the root)."""
 
 
 def trajectory_rewards(tree: Tree) -> np.ndarray:
@@ -63,20 +79,41 @@ def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str,
     return [grpo_advantages(trajectory_rewards(tree), scale=grpo_scale).tolist() for tree in trees]
 
 
-def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float]]:
-    """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
+def tree_credit(trees: list[Tree], algorithm: str, **settings) -> list[TreeCredit]:
+    """Each tree's credit: the trajectories' advantages (tree_advantages, same settings) and, for TreeRPO and
+    CATPO, each node's advantage and whether it takes part in the per-node loss."""
+    per_trajectory = tree_advantages(trees, algorithm, **settings)
+    if algorithm not in PER_NODE:
+        return [TreeCredit(a) for a in per_trajectory]
+    out = []
+    for tree, traj in zip(trees, per_trajectory):
+        adv, mask = _treerpo_node_advantages(tree, settings["treerpo_prune_range"])
+        out.append(TreeCredit(traj, adv.tolist(), mask.tolist()))
+    return out
+
+
+def _treerpo_node_advantages(tree: Tree, prune_range: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's sibling-relative advantage and its mask (False where the sibling group is pruned)."""
     rewards = np.array(tree.reward, dtype=np.float64)
     on_path = sorted({n for p in tree.trajectory_paths() for n in p} | {0})
     if np.isnan(rewards[on_path]).any():
         raise ValueError(f"tree {tree.query_id!r}: a node on a trajectory has no propagated reward")
     rewards = np.nan_to_num(rewards, nan=0.0)  # nodes off every trajectory are never trained
-    adv, mask = treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
+    return treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
+
+
+def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float]]:
+    """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
+    adv, mask = _treerpo_node_advantages(tree, prune_range)
     node_adv = np.where(mask, adv, 0.0)
     return [[float(node_adv[n]) for n in tree.path(end) for _ in tree.tokens[n]] for end in tree.trajectories]
 
 
-def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
-    """Rollout and tree statistics of a batch (reward, accuracy, lengths, depth, branching, early stops, sharing)."""
+def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_limit: int | None = None) -> dict:
+    """Rollout and tree statistics of a batch (reward, accuracy, lengths, depth, branching, early stops, sharing).
+    verl's names where verl has the figure (metric_utils.compute_data_metrics): critic/score/* are the trajectory
+    rewards, response_length/* the response lengths in tokens, response_length/clip_ratio the share of responses
+    that reached `response_limit` (cut at the length limit)."""
     if not trees:
         return {}
     rewards = np.concatenate([trajectory_rewards(t) for t in trees])
@@ -85,9 +122,13 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
     generated = sum(sum(len(t.tokens[n]) for n in {n for p in t.trajectory_paths() for n in p}) for t in trees)
     path_tokens = sum(lengths)
     out = {
-        "rollout/reward": float(rewards.mean()) if rewards.size else math.nan,
+        "critic/score/mean": float(rewards.mean()) if rewards.size else math.nan,
         "rollout/accuracy": float((rewards >= correct_threshold).mean()) if rewards.size else math.nan,
-        "rollout/response_len": float(np.mean(lengths)) if lengths else math.nan,
+        "response_length/mean": float(np.mean(lengths)) if lengths else math.nan,
+        "critic/score/max": float(rewards.max()) if rewards.size else math.nan,
+        "critic/score/min": float(rewards.min()) if rewards.size else math.nan,
+        "response_length/max": float(max(lengths)) if lengths else math.nan,
+        "response_length/min": float(min(lengths)) if lengths else math.nan,
         "rollout/trajectories": float(len(lengths)),
         "rollout/prompts": float(len(trees)),
         "rollout/mixed_groups": float(np.mean([keep_tree(t) for t in trees])),
@@ -98,5 +139,30 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0) -> dict:
         "tree/shared_prefix_share": 1.0 - generated / path_tokens if path_tokens else 0.0,
         "tree/unique_tokens": float(sum(t.unique_tokens() for t in trees)),
     }
-    out.update(growth_counters(trees))  # growth/<mechanism>: this batch's counts
+    if response_limit and lengths:
+        out["response_length/clip_ratio"] = float(np.mean([n >= response_limit for n in lengths]))
+    growth = [t.meta.get("growth", {}) for t in trees]
+    for key in ("branches", "fallbacks", "surplus_dropped"):
+        out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
+    for reason in FINISH_REASONS[1:]:
+        out[f"tree/stop_{reason}"] = float(sum(g.get(f"finish/{reason}", 0) for g in growth))
+    out.update(growth_counters(trees))  # growth/<mechanism>: this batch's totals (summary.json, compare)
     return out
+
+
+def advantage_metrics(trees: list[Tree], advantages: list[list[Advantage]], weights: list[float] | None = None) -> dict:
+    """critic/advantages/mean, max, min as verl computes them: over every response token of the batch (a
+    trajectory's scalar advantage counts once per token), after CATPO's tree weights when given."""
+    values = []
+    for t, tree in enumerate(trees):
+        w = 1.0 if weights is None else float(weights[t])
+        for node, adv in zip(tree.trajectories, advantages[t]):
+            if isinstance(adv, list):
+                values.extend(a * w for a in adv)
+            else:
+                values.extend([adv * w] * len(tree.response_ids(node)))
+    if not values:
+        return {}
+    a = np.asarray(values, dtype=np.float64)
+    return {"critic/advantages/mean": float(a.mean()), "critic/advantages/max": float(a.max()),
+            "critic/advantages/min": float(a.min())}

@@ -1,7 +1,11 @@
 """Policy-gradient losses on token log-probs: PPO clipped surrogate with DAPO clip-higher, dual-clip, KL, entropy.
 
-Shapes: logprobs, old_logprobs, ref_logprobs, entropy and mask are [B, T] float tensors (mask 1 on response
-tokens, 0 on prompt/padding); advantages are [B] (one per sequence, broadcast over its tokens) or [B, T].
+Two forms of one objective:
+- `policy_loss`: the per-sequence definition on padded [B, T] tensors (mask 1 on response tokens, 0 on
+  prompt/padding; advantages [B] or [B, T]) with token-mean or seq-mean aggregation: the reference.
+- `tree_policy_loss`: the same terms as a weighted sum over scored tokens, each token once, with per-token weights
+  that carry the advantages and normalisers of every trajectory through it (learner/packing.py builds them; the
+  learner trains with this form, packed or not). It also takes the decoupled-PPO behaviour weights.
 Only shapes and the config are checked here (a NaN check would force a device sync on every step).
 """
 
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean")
+AGGREGATIONS = ("token-mean", "seq-mean", "node-mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -26,8 +30,9 @@ class LossConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 (Ye et al. 2020): for negative advantages the loss is capped at c * |A|."""
     aggregation: str = "token-mean"
-    """"token-mean" (DAPO: every response token of the batch counts once) or "seq-mean" (GRPO: mean per
-    sequence, then over sequences)."""
+    """"token-mean" (DAPO: every response token of the batch counts once), "seq-mean" (GRPO: mean per
+    sequence, then over sequences) or "node-mean" (TreeRPO/CATPO, CATPO eq. 7: each tree node once, averaged over
+    its own tokens, then over the nodes that take part; needs per-node advantages)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (0 disables it; then ref_logprobs may be None)."""
     kl_estimator: str = "k3"
@@ -74,6 +79,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tens
 
     "token-mean": sum(values * mask) / sum(mask). "seq-mean": each sequence's masked mean, then the mean over
     sequences that have at least one token. Returns 0 (still attached to the graph) when no token is masked.
+    ("node-mean" needs the tree: see tree_policy_loss.)
     """
     if values.shape != mask.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)} but values {tuple(values.shape)}")
@@ -85,7 +91,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tens
         per_seq = (values * mask).sum(dim=-1) / tokens.clamp(min=1.0)
         has_tokens = (tokens > 0).to(values.dtype)
         return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    raise ValueError(f"mode = {mode!r}; choose one of {AGGREGATIONS}")
+    raise ValueError(f"mode = {mode!r}; choose token-mean or seq-mean")
 
 
 def policy_loss(
@@ -105,11 +111,13 @@ def policy_loss(
         loss = agg(pg) + kl_coef * agg(kl_penalty(logprobs, ref)) - entropy_coef * agg(entropy)
     with agg the configured aggregation. Differentiable w.r.t. logprobs and entropy.
 
-    Metrics: "pg_loss", "kl" (0 without ref_logprobs) and "entropy" (0 without entropy) are the aggregated
-    terms above, so loss = pg_loss + kl_coef * kl - entropy_coef * entropy. "clip_frac" is the share of
-    response tokens whose clipped term is the active one, split into "clip_frac_low" (A < 0, ratio below
-    1 - clip_low) and "clip_frac_high" (A > 0, ratio above 1 + clip_high); "clip_frac_dual" the share capped
-    by dual-clip; "approx_kl" the k3 estimate of KL(old || new) over response tokens.
+    Metrics: "pg_loss", "kl_loss" (0 without ref_logprobs) and "entropy" (0 without entropy) are the aggregated
+    terms above, so loss = pg_loss + kl_coef * kl - entropy_coef * entropy. "pg_clipfrac" is the share of
+    response tokens whose clipped term is the active one, split into "pg_clipfrac_below" (A < 0, ratio below
+    1 - clip_low) and "pg_clipfrac_above" (A > 0, ratio above 1 + clip_high); "pg_clipfrac_lower" the share
+    capped by dual-clip; "ppo_kl" the mean of old - new log-probs over response tokens (verl's k1 estimate of
+    KL(old || new), so the figure reads as verl's; it can be negative). The names are verl's
+    (the pipeline logs them as actor/<name>), below/above are this project's own split of pg_clipfrac.
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:
@@ -163,9 +171,89 @@ def policy_loss(
         clip_high = (adv > 0) & (ratio > 1.0 + cfg.clip_high)
         figures = torch.stack([
             pg_loss.detach(), token_mean(clip_low | clip_high), token_mean(clip_low), token_mean(clip_high),
-            token_mean(dual_capped), token_mean(ratio - 1.0 - log_ratio), kl.detach(), ent.detach(),
+            token_mean(dual_capped), token_mean(-log_ratio), kl.detach(), ent.detach(),
             loss.detach(),
         ]).tolist()  # one device sync for all figures
-    names = ("pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "kl",
-             "entropy", "loss")
+    names = ("pg_loss", "pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl",
+             "kl_loss", "entropy", "loss")
     return loss, dict(zip(names, figures))
+
+
+# Per-token loss weights of tree_policy_loss, in column order (learner/packing.py: COLUMNS).
+W_POS, W_NEG, W_WEIGHT, W_COUNT, W_NPOS, W_NNEG = range(6)
+
+TREE_FIGURES = ("loss", "pg_loss", "kl_loss", "entropy", "count", "pg_clipfrac", "pg_clipfrac_below",
+                "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl")
+"""The additive sums tree_policy_loss returns: the first four are the loss terms themselves (already normalised),
+the rest count-weighted sums that become token means once divided by the summed "count"."""
+
+
+def tree_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    weights: torch.Tensor,
+    cfg: LossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    behaviour_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """policy_loss as a weighted sum over scored tokens; all tensors [N] except `weights` [N, 6].
+
+    Columns of `weights` (learner/packing.py): pos = sum of c * A over the trajectories through the token with
+    A > 0, neg = the same over A < 0, weight = sum of c (c: the normaliser of each trajectory's, or node's, token),
+    count, n_pos, n_neg (trajectories through it: all, A > 0, A < 0). With r = exp(logprobs - old_logprobs),
+        pg = -pos * min(r, 1 + clip_high) - neg * min(max(r, 1 - clip_low), dual_clip)
+    is the sum over those trajectories of max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (capped at -A c for
+    A < 0 with dual-clip), so it equals policy_loss's terms summed token by token, gradient included. Then
+        loss = sum(pg * w_b) + kl_coef * sum(weight * kl) - entropy_coef * sum(weight * entropy)
+    with w_b the decoupled-PPO behaviour weight pi_prox / pi_behav of each token (AReaL, Fu et al. 2025; 1 when
+    None). Returns the loss and the additive sums of TREE_FIGURES (detached).
+    """
+    n = logprobs.shape
+    if logprobs.dim() != 1 or weights.shape != (n[0], 6):
+        raise ValueError(f"logprobs must be [N] and weights [N, 6], got {tuple(n)} and {tuple(weights.shape)}")
+    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("entropy", entropy),
+                    ("behaviour_weight", behaviour_weight)):
+        if t is not None and t.shape != n:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(n)}")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("cfg.kl_coef > 0 needs ref_logprobs")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError("cfg.entropy_coef != 0 needs the per-token entropy")
+
+    w = weights.to(logprobs.dtype)
+    pos, neg, weight = w[:, W_POS], w[:, W_NEG], w[:, W_WEIGHT]
+    if behaviour_weight is not None:
+        b = behaviour_weight.to(logprobs.dtype).detach()
+        pos, neg = pos * b, neg * b
+    log_ratio = logprobs - old_logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    up = ratio.clamp(max=1.0 + cfg.clip_high)  # A > 0: min(r, clip(r)) = min(r, 1 + clip_high)
+    down = ratio.clamp(min=1.0 - cfg.clip_low)  # A < 0: max(r, clip(r)) = max(r, 1 - clip_low)
+    dual = torch.zeros_like(ratio, dtype=torch.bool)
+    if cfg.dual_clip is not None:
+        dual = down > cfg.dual_clip
+        down = down.clamp(max=cfg.dual_clip)
+    pg_loss = -(pos * up + neg * down).sum()
+    loss = pg_loss
+    zero = pg_loss.new_zeros(())
+    kl = zero
+    if ref_logprobs is not None:
+        kl = (weight * kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)).sum()
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl
+    ent = zero
+    if entropy is not None:
+        ent = (weight * entropy).sum()
+        if cfg.entropy_coef != 0:
+            loss = loss - cfg.entropy_coef * ent
+
+    with torch.no_grad():
+        count, n_pos, n_neg = w[:, W_COUNT], w[:, W_NPOS], w[:, W_NNEG]
+        low = (n_neg * (ratio < 1.0 - cfg.clip_low)).sum()
+        high = (n_pos * (ratio > 1.0 + cfg.clip_high)).sum()
+        # Names as policy_loss's (verl's): ppo_kl is the mean of old - new log-probs (k1), once divided by count.
+        sums = dict(loss=loss.detach(), pg_loss=pg_loss.detach(), kl_loss=kl.detach(), entropy=ent.detach(),
+                    count=count.sum(), pg_clipfrac=low + high, pg_clipfrac_below=low, pg_clipfrac_above=high,
+                    pg_clipfrac_lower=(n_neg * dual).sum(), ppo_kl=(count * -log_ratio).sum())
+    return loss, sums

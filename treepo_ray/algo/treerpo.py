@@ -77,6 +77,7 @@ def treerpo_advantages(
     np.maximum.at(hi, pk, r[1:])
     np.minimum.at(lo, pk, r[1:])
     m = mu[pk]
-    adv[kids] = (r[1:] - m) / (m * (1.0 - m) + eps)
+    # Equal siblings get exactly 0 (their mean, summed in floating point, can miss their common value by an ulp).
+    adv[kids] = np.where(hi[pk] > lo[pk], (r[1:] - m) / (m * (1.0 - m) + eps), 0.0)
     mask[kids] = (hi[pk] - lo[pk]) > prune_range
     return adv, mask

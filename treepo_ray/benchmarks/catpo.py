@@ -103,11 +103,11 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
     from treepo_ray.algo.informativeness import classify_tree, tree_informativeness
     from treepo_ray.algo.losses import LossConfig
     from treepo_ray.learner import Learner
-    from treepo_ray.learner.batch import samples_from_trees
+    from treepo_ray.learner.batch import train_trees
 
     algo = AlgoConfig(name="treerpo", treerpo_prune_range=cfg.algo.treerpo_prune_range)
     scores = [tree_informativeness(t) for t in trees]
-    groups = [samples_from_trees([t], algo.advantages([t])) for t in trees]  # weight 1: the unweighted TreeRPO loss
+    groups = [train_trees([t], algo.credit([t])) for t in trees]  # weight 1: the unweighted TreeRPO loss
     loss = LossConfig(clip_low=cfg.learner.loss.clip_low, clip_high=cfg.learner.loss.clip_high,
                       aggregation=cfg.learner.loss.aggregation, kl_coef=0.0, entropy_coef=0.0)
     lcfg = dataclasses.replace(cfg.learner, loss=loss, use_ref_model=False, strategy="none")
@@ -138,7 +138,7 @@ def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: flo
         nonlocal tokens
         rows.append(metrics)
         tokens += metrics["rollout/sampled_tokens"]
-        print(f"  {cfg.algo.name} step {len(rows)}: reward {metrics['rollout/reward']:.3f}, "
+        print(f"  {cfg.algo.name} step {len(rows)}: reward {metrics['critic/score/mean']:.3f}, "
               f"sampled tokens {tokens:.0f}" + (f", dead-wrong {metrics['catpo/dead_wrong']:.0f}, healed "
                                                  f"{metrics['catpo/healed']:.0f}" if "catpo/healed" in metrics else ""),
               flush=True)
@@ -149,8 +149,8 @@ def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: flo
     train_s = time.perf_counter() - t0
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
     out = {"steps": done, "sampled_tokens": tokens, "train_s": train_s,
-           "rollout_s_per_step": total("time/rollout") / max(len(rows), 1),
-           "rollout_reward": [round(r["rollout/reward"], 4) for r in rows]}
+           "rollout_s_per_step": total("timing_s/gen") / max(len(rows), 1),
+           "rollout_reward": [round(r["critic/score/mean"], 4) for r in rows]}
     if cfg.algo.name == "catpo":
         attempts, healed = total("catpo/heal_attempts"), total("catpo/healed")
         out["regimes_sampled"] = {r: total(f"catpo/{r}") for r in

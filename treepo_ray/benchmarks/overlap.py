@@ -27,10 +27,10 @@ FAIR = ["runtime.num_engines=1", "runtime.engine_cpus=1", "runtime.learner_ranks
 
 def summarise(rows: list[dict], staleness: int) -> dict:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    return {"max_staleness": staleness, "timed_steps": len(rows), "step_s": med("time/step"),
-            "rollout_s": med("time/rollout"), "train_s": med("time/train"), "wait_s": med("time/wait"),
+    return {"max_staleness": staleness, "timed_steps": len(rows), "step_s": med("timing_s/step"),
+            "rollout_s": med("timing_s/gen"), "train_s": med("timing_s/update_actor"), "wait_s": med("timing_s/wait"),
             "staleness_mean": sum(r["perf/staleness"] for r in rows) / len(rows),
-            "step_s_all": [round(r["time/step"], 4) for r in rows]}
+            "step_s_all": [round(r["timing_s/step"], 4) for r in rows]}
 
 
 def run(cfg: TrainConfig, steps: int, rounds: int) -> dict:

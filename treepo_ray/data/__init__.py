@@ -6,8 +6,9 @@ The package exports the light modules' names (no torch): the loaders and the syn
 their module path.
 """
 
-from treepo_ray.data.datasets import DatasetConfig, LoadedDataset, load_dataset, load_records, synthetic_files
+from treepo_ray.data.datasets import (DataConfig, DatasetConfig, LoadedDataset, load_dataset, load_records,
+                                      synthetic_files)
 from treepo_ray.data.synthetic import SyntheticTaskConfig, make_problems, write_splits
 
-__all__ = ["DatasetConfig", "LoadedDataset", "SyntheticTaskConfig", "load_dataset", "load_records", "make_problems",
-           "synthetic_files", "write_splits"]
+__all__ = ["DataConfig", "DatasetConfig", "LoadedDataset", "SyntheticTaskConfig", "load_dataset", "load_records",
+           "make_problems", "synthetic_files", "write_splits"]

@@ -1,22 +1,20 @@
-"""`treepo-ray eval`: Pass@1 / Major@k / pass@k of a model on a dataset, and a test-time scaling sweep.
+"""Pass@1 / Major@k / pass@k of a model on a dataset, and a test-time scaling sweep (the body of `treepo-ray eval`,
+whose command, with the training job's config keys, is treepo_ray/job/evaluate.py).
 
 Samples n answers per problem with the project's own engine and growers (sequential i.i.d. paths or TreePO
-trees), scores them through the reward router, and reports per data source and overall (metrics.summarize).
-`--sweep-divergence 1,2,4 --sweep-rollouts 2,4,8,16` adds TreePO's test-time scaling study (Figure 9): for each
-divergence factor d (branches at every divergence point: the root's children and each path's share per round)
-and each rollout budget w >= d, one tree of w trajectories per problem; accuracy is the majority vote over the w
-answers (and the mean and any-correct rates beside it). Written as sweep.json and sweep.png.
-
-    treepo-ray eval                                    # the tiny base model on the synthetic task's test split
-    treepo-ray eval --model runs/x/ckpt --data data/ --n 16 --k 1,4,16 --sampler treepo --divergence 4
+trees), scores them through the reward router (or the custom reward function), and reports per data source and
+overall (metrics.summarize). `eval.sweep_divergence=[1,2,4] eval.sweep_rollouts=[2,4,8,16]` adds TreePO's
+test-time scaling study (Figure 9): for each divergence factor d (branches at every divergence point: the root's
+children and each path's share per round) and each rollout budget w >= d, one tree of w trajectories per problem;
+accuracy is the majority vote over the w answers (and the mean and any-correct rates beside it). Written as
+sweep.json and sweep.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from treepo_ray.data.metrics import major_at_k, mean_accuracy, pass_at_k, summarize
@@ -24,9 +22,44 @@ from treepo_ray.data.prompts import Prompt
 from treepo_ray.data.sampling import SAMPLERS, SampleSettings, sample_answers
 
 
+@dataclass
+class EvalConfig:
+    """The `eval` section: what `treepo-ray eval` sets beyond the training job's keys (which give it the model,
+    the data, the reward function, and trainer.eval_samples / eval_temperature / eval_size / eval_max_new_tokens
+    as the answers per problem, the temperature, the problem limit and the length cap)."""
+
+    split: str = "test"
+    """Which split to evaluate: 'test' (data.val_files, or the test files of data.name) or 'train'."""
+    sampler: str = "sequential"
+    """'sequential' (n i.i.d. answers) or 'treepo' (one tree of n trajectories per problem)."""
+    divergence: int = 2
+    """TreePO divergence factor of sampler 'treepo'."""
+    k: list[int] = field(default_factory=lambda: [1, 4, 8])
+    """k of pass@k and major@k (those above the answers per problem are skipped)."""
+    resamples: int = 1000
+    """Random k-subsets averaged by major@k when k < n."""
+    sweep_divergence: list[int] = field(default_factory=list)
+    """Test-time scaling sweep: divergence factors d (empty = no sweep)."""
+    sweep_rollouts: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    """Test-time scaling sweep: rollout budgets."""
+    out: str = ""
+    """Output folder (default runs/eval-<time>)."""
+
+    def __post_init__(self) -> None:
+        if self.split not in ("test", "train"):
+            raise ValueError(f"eval.split = {self.split!r}; choose 'test' or 'train'")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"eval.sampler = {self.sampler!r}; choose one of {SAMPLERS}")
+        for name in ("k", "sweep_divergence", "sweep_rollouts"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise ValueError(f"eval.{name} = {getattr(self, name)}; values must be >= 1")
+        if self.divergence < 1 or self.resamples < 1:
+            raise ValueError("eval.divergence and eval.resamples must be >= 1")
+
+
 def score_answers(records: list[Prompt], texts: list[list[str]], scorer) -> list[dict]:
     """[{"data_source", "preds", "correct"}] per record, judged by the reward router."""
-    items = [(r.data_source, t, r.ground_truth) for r, ts in zip(records, texts) for t in ts]
+    items = [(r.data_source, t, r.ground_truth, r.extra_info) for r, ts in zip(records, texts) for t in ts]
     details = scorer.score_details(items)
     out, pos = [], 0
     for r, ts in zip(records, texts):
@@ -96,103 +129,28 @@ def plot_sweep(points: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
-    return values
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="treepo-ray eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="HF model directory (default: the tiny base model, built if needed)")
-    p.add_argument("--data", default="synthetic",
-                   help="a synthetic task ('synthetic': running sums, 'synthetic_addition'), a .jsonl/.parquet "
-                        "file, a folder with train.*/test.*, or 'train,test' files")
-    p.add_argument("--split", choices=("test", "train"), default="test", help="split of a two-split dataset")
-    p.add_argument("--limit", type=int, default=200, help="evaluate the first N problems (0 = all)")
-    p.add_argument("--cache-dir", default=".cache/treepo-ray", help="cache of the base model and synthetic data")
-    p.add_argument("--seed", type=int, default=0, help="seed of sampling (and of the synthetic data and base model)")
-    p.add_argument("--sampler", choices=SAMPLERS, default="sequential")
-    p.add_argument("--n", type=int, default=8, help="answers per problem")
-    p.add_argument("--k", type=_ints, default=[1, 4, 8], help="k of pass@k and major@k (k <= n)")
-    p.add_argument("--resamples", type=int, default=1000, help="random k-subsets averaged by major@k (k < n)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--segment-len", type=int, default=32)
-    p.add_argument("--divergence", type=int, default=2, help="TreePO divergence factor of --sampler treepo")
-    p.add_argument("--sweep-divergence", type=_ints, default=[], help="test-time scaling: divergence factors d")
-    p.add_argument("--sweep-rollouts", type=_ints, default=[1, 2, 4, 8, 16], help="test-time scaling: budgets")
-    p.add_argument("--engine", default="hf", help="generation engine (treepo_ray.engines.make_engine)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
-    p.add_argument("--timeout", type=float, default=5.0, help="per-answer time limit of the math verifier")
-    p.add_argument("--out", default="", help="output folder (default runs/eval-<time>)")
-    args = p.parse_args(argv)
-    if args.n < 1 or args.limit < 0:
-        p.error("--n must be >= 1 and --limit >= 0")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    from transformers import AutoTokenizer
-
-    from treepo_ray.data.datasets import load_dataset, load_records
-    from treepo_ray.engines import make_engine
-    from treepo_ray.rewards.router import BatchScorer
-
-    if args.model:
-        model = Path(args.model)
-    else:
-        from treepo_ray.data.pretrain import base_model_config, prepare_base_model
-
-        model = prepare_base_model(args.cache_dir, seed=args.seed, cfg=base_model_config(args.data))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    if Path(args.data).is_file():
-        records = load_dataset(args.data, tokenizer).records
-    else:
-        train, test = load_records(argparse.Namespace(name=args.data, seed=args.seed), tokenizer, args.cache_dir)
-        records = test if args.split == "test" else train
-        if not records:
-            raise ValueError(f"--data {args.data!r} has no {args.split} split")
-    if args.limit:
-        records = records[: args.limit]
-    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+def evaluate_records(records: list[Prompt], engine, tokenizer, scorer, settings: SampleSettings, ecfg: EvalConfig,
+                     out: Path, model_name: str, data_name: str) -> dict:
+    """Sample, score and summarise `records`; write eval.json (and the sweep's files) under `out`; returns the
+    report."""
     out.mkdir(parents=True, exist_ok=True)
-
-    kwargs = {"num_threads": args.threads, "seed": args.seed} if args.engine == "hf" else {}
-    engine = make_engine(args.engine, model, **kwargs)
-    settings = SampleSettings(sampler=args.sampler, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                              max_new_tokens=args.max_new_tokens, segment_len=args.segment_len,
-                              divergence=args.divergence, seed=args.seed)
-    with BatchScorer(timeout_s=args.timeout) as scorer:
-        start = time.perf_counter()
-        scored = score_answers(records, sample_answers(records, engine, tokenizer, settings), scorer)
-        n = len(scored[0]["correct"])
-        ks = [k for k in args.k if k <= n]
-        metrics = summarize(scored, ks=ks, resamples=args.resamples, seed=args.seed)
-        report = {"model": str(model), "data": args.data, "split": args.split, "problems": len(records),
-                  "settings": settings.__dict__, "wall_s": round(time.perf_counter() - start, 2), "metrics": metrics}
-        (out / "eval.json").write_text(json.dumps(report, indent=2))
-        print(f"{len(records)} problems, {n} answers each ({settings.sampler}, temperature {settings.temperature}):")
-        for key, value in sorted(metrics.items()):
-            print(f"  {key:<32} {value:.4f}" if isinstance(value, float) else f"  {key:<32} {value}")
-        if args.sweep_divergence:
-            points = scaling_sweep(records, engine, tokenizer, scorer, settings, args.sweep_divergence,
-                                   args.sweep_rollouts)
-            (out / "sweep.json").write_text(json.dumps({"model": str(model), "data": args.data,
-                                                        "problems": len(records), "points": points}, indent=2))
-            plot_sweep(points, out / "sweep.png", f"{Path(model).name} on {args.data} ({len(records)} problems)")
-    print(f"wrote {out / 'eval.json'}" + (f", {out / 'sweep.json'}, {out / 'sweep.png'}" if args.sweep_divergence else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    start = time.perf_counter()
+    scored = score_answers(records, sample_answers(records, engine, tokenizer, settings), scorer)
+    n = len(scored[0]["correct"])
+    ks = [k for k in ecfg.k if k <= n]
+    metrics = summarize(scored, ks=ks, resamples=ecfg.resamples, seed=settings.seed)
+    report = {"model": model_name, "data": data_name, "split": ecfg.split, "problems": len(records),
+              "settings": settings.__dict__, "wall_s": round(time.perf_counter() - start, 2), "metrics": metrics}
+    (out / "eval.json").write_text(json.dumps(report, indent=2))
+    print(f"{len(records)} problems, {n} answers each ({settings.sampler}, temperature {settings.temperature}):")
+    for key, value in sorted(metrics.items()):
+        print(f"  {key:<32} {value:.4f}" if isinstance(value, float) else f"  {key:<32} {value}")
+    if ecfg.sweep_divergence:
+        points = scaling_sweep(records, engine, tokenizer, scorer, settings, ecfg.sweep_divergence,
+                               ecfg.sweep_rollouts)
+        (out / "sweep.json").write_text(json.dumps({"model": model_name, "data": data_name,
+                                                    "problems": len(records), "points": points}, indent=2))
+        plot_sweep(points, out / "sweep.png", f"{Path(model_name).name} on {data_name} ({len(records)} problems)")
+    print(f"wrote {out / 'eval.json'}" + (f", {out / 'sweep.json'}, {out / 'sweep.png'}" if ecfg.sweep_divergence
+                                         else ""))
+    return report

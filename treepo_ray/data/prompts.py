@@ -4,7 +4,7 @@ reproducible order."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,14 +17,17 @@ class Prompt:
     """Unique in its dataset (the stream makes it unique over a run: `<id>#<position>`); routes the tree's requests."""
     prompt_ids: tuple[int, ...]
     """Token ids the policy continues."""
-    ground_truth: str
-    """What the verifier compares an answer with."""
+    ground_truth: object
+    """What the verifier compares an answer with: a string, a list of acceptable answers, or whatever JSON value a
+    custom reward function reads (verl's reward_model.ground_truth)."""
     data_source: str = ""
-    """Picks the verifier (rewards/router.py)."""
+    """Picks the verifier (rewards/router.py); read from the row's data.reward_fn_key field."""
     prompt_text: str = ""
     """The rendered prompt (what prompt_ids encode), for logs."""
     seed: int = 0
     """Seed of the tree's sampling (set by PromptStream from the stream position)."""
+    extra_info: dict = field(default_factory=dict)
+    """The row's `extra_info` (verl layout), passed to the reward function as is."""
 
 
 class PromptStream:

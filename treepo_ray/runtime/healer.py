@@ -23,6 +23,8 @@ from treepo_ray.engines.decode import safe_decode
 from treepo_ray.healing.critique import CritiqueHealer, HealingConfig
 from treepo_ray.algo.catpo import needs_healing, record_heal
 from treepo_ray.job.config import CatpoConfig
+from treepo_ray.runtime.liveness import get, within
+from treepo_ray.runtime.registry import on_this_node
 from treepo_ray.tree.tree import Tree
 
 
@@ -34,10 +36,10 @@ class HealRefused(ValueError):
 class HealerActor:
     """Heals dead-wrong trees; `heal` calls run concurrently in threads, each mostly waiting on an engine."""
 
-    def __init__(self, pool, verifiers, model_path: str, cfg: HealingConfig):
+    def __init__(self, pool, verifiers, model_path: str, cfg: HealingConfig, wait_s: float = 7200.0):
         from transformers import AutoTokenizer
 
-        self.pool, self.verifiers, self.cfg = pool, verifiers, cfg
+        self.pool, self.verifiers, self.cfg, self.wait_s = pool, verifiers, cfg, wait_s
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._lock = threading.Lock()  # the pool copy's routing table is shared by the threads
         self._local = threading.local()
@@ -69,14 +71,17 @@ class HealerActor:
             return results
 
         def logprobs(prefix_ids, token_ids):
-            return self._call(key, "score", prefix_ids, token_ids)
+            return self._call(key, "score", prefix_ids, token_ids, self.cfg.logprob_temperature or 1.0)
 
         tokenizer = self._tokenizer()
 
         def score(t: Tree, node: int) -> float:
             solution = safe_decode(tokenizer, t.response_ids(node), skip_special_tokens=True)
-            item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"])
-            return ray.get(self.verifiers.score([item]))[0]
+            item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"], t.meta.get("extra_info", {}))
+            reward = get(self.verifiers.score([item]), self.wait_s, f"verifying a graft of {t.query_id}")[0]
+            if reward is None:  # never graft a branch scored as wrong because its verification failed
+                raise HealRefused(f"a graft of {t.query_id} could not be verified")
+            return reward
 
         healer = CritiqueHealer(tokenizer, generate, logprobs, score, self.cfg)
         try:
@@ -87,14 +92,19 @@ class HealerActor:
         return tree, result
 
 
-def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int):
-    """The healer actor of a CATPO run; grafts are cut to the tree's step length unless healing sets its own."""
+def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int, wait_s: float = 7200.0,
+                temperature: float = 1.0):
+    """The healer actor of a CATPO run; grafts are cut to the tree's step length and scored at the tree's sampling
+    temperature unless healing sets its own. Like the schedulers it lives on the driver's node (same failure
+    domain); a lost one is replaced (pipeline.py)."""
     healing = cfg.healing if cfg.healing.step_len else dataclasses.replace(cfg.healing, step_len=step_len)
-    return HealerActor.options(num_cpus=0, max_concurrency=cfg.heal_concurrency).remote(
-        pool, verifiers, model_path, healing)
+    if not healing.logprob_temperature:
+        healing = dataclasses.replace(healing, logprob_temperature=temperature)
+    return HealerActor.options(num_cpus=0, max_concurrency=cfg.heal_concurrency, scheduling_strategy=on_this_node(),
+                               max_restarts=0, max_task_retries=0).remote(pool, verifiers, model_path, healing, wait_s)
 
 
-async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tree:
+async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int, wait_s: float = 7200.0) -> Tree:
     """CATPO phases 2 and 3 for one verified tree: score it; if dead-wrong, heal it and score it again.
 
     A healing request an engine refuses as bad input (HealRefused, e.g. a critique prompt longer than the model's
@@ -105,7 +115,7 @@ async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int) -> Tre
     if healer is None or not cfg.heal or not needs_healing(tree):
         return tree
     try:
-        healed, result = await healer.heal.remote(tree, seed)
+        healed, result = await within(healer.heal.remote(tree, seed), wait_s, f"healing {tree.query_id}")
     except HealRefused as err:  # Ray re-raises the healer's HealRefused as a subclass of it
         message = f"healing tree {tree.query_id!r} failed: {getattr(err, 'cause', err)}"
         print(f"CATPO: {message}; it is trained as sampled", flush=True)

@@ -6,7 +6,14 @@
 With max_staleness = s the producer may run up to s batches ahead of the learner: while the learner trains on
 batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
 synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
-samples; weights travel as one ObjectRef (one object-store copy) to every engine.
+scored trees (learner/batch.py: TrainTree, with their credit and the engines' sampled log-probs); weights travel
+in the engines' dtype by broadcast from learner rank 0 or as one object-store copy (weights.py).
+
+Growing a batch survives its actors: a scheduler that is lost or stuck (runtime/liveness.py's heartbeat), or whose
+prompts failed because the CATPO healer was lost, is replaced and its prompts grown again on the new one with the
+same seeds, so the batch is the one the lost actor was growing (`grow`). The batches waiting in the queue when a
+checkpoint is taken are saved with it (`queued_batches`, job/rundir.py) and trained first when the run resumes
+(`train(queued=...)`), instead of being grown again with newer weights.
 """
 
 from __future__ import annotations
@@ -19,23 +26,37 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError
 
 from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, sampled_tokens
-from treepo_ray.algo.credit import keep_tree, tree_metrics
+from treepo_ray.algo.credit import advantage_metrics, keep_tree, tree_metrics
 from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.job.config import TrainConfig
-from treepo_ray.learner.batch import samples_from_trees
+from treepo_ray.learner.batch import train_trees
 from treepo_ray.runtime.healer import make_healer
 from treepo_ray.runtime.learner import LearnerGroup
+from treepo_ray.runtime.liveness import DeadlineExceeded, Heartbeat, get, started
 from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
-from treepo_ray.runtime.registry import event_metrics, on_this_node, report
+from treepo_ray.runtime.registry import actor_lost, brief, event_metrics, on_this_node, ping, report
 from treepo_ray.runtime.scheduler import TreeScheduler
-from treepo_ray.runtime.verifier import VerifierPool
+from treepo_ray.runtime.verifier import VerifierPool, verification_metrics
+from treepo_ray.runtime.weights import WeightSync, sync_metrics
 from treepo_ray.tree import Tree
 
 DONE = None  # end-of-stream sentinel on the batch queue
+
+
+def validation_metrics(sources: list[str], rewards: np.ndarray, correct_threshold: float, k: int) -> dict:
+    """verl's validation figures per data source, for `k` samples per problem: val-core/<source>/acc/mean@k (the
+    mean correctness of all samples, reward >= correct_threshold) and val-aux/<source>/reward/mean@k."""
+    out = {}
+    for source in sorted(set(sources)):
+        r = rewards[[s == source for s in sources]]
+        out[f"val-core/{source}/acc/mean@{k}"] = float((r >= correct_threshold).mean())
+        out[f"val-aux/{source}/reward/mean@{k}"] = float(r.mean())
+    return out
 
 
 @dataclass
@@ -47,14 +68,25 @@ class RolloutBatch:
     version: int
     """Weights version (training steps done) the generators ran while growing it."""
     samples: object
-    """ObjectRef of list[TrainSample] in the object store."""
+    """ObjectRef of the batch's list[TrainTree] in the object store."""
     num_samples: int
-    """Samples in the batch (0: every prompt was filtered out; the step trains on nothing)."""
+    """Trajectories in the batch (0: every prompt was filtered out; the step trains on nothing)."""
     data_position: int
     """Prompts of the training stream consumed once this batch is trained on (saved in checkpoints)."""
     metrics: dict = field(default_factory=dict)
     trees: list[dict] = field(default_factory=list)
     """A few of the batch's trees with decoded texts, for trees.jsonl."""
+    kept: list[Tree] = field(default_factory=list)
+    """The trees the samples were made from (saved with a checkpoint while the batch waits in the queue)."""
+
+    def to_record(self) -> dict:
+        """What a checkpoint keeps of a batch waiting in the queue (JSON): enough to train it after a restart."""
+        return {"step": self.step, "version": self.version, "data_position": self.data_position,
+                "metrics": self.metrics, "trees": self.trees, "kept": [t.to_dict() for t in self.kept]}
+
+    def fetch(self) -> list:
+        """The batch's TrainTrees, from the object store."""
+        return ray.get(self.samples)
 
 
 class Pipeline:
@@ -65,41 +97,76 @@ class Pipeline:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.model_path = model_path
         # The generator pool replaces lost engines and grows where Ray reports room (pool.py); verifiers are
-        # retried and their failures scored as wrong (verifier.py). Both report to one registry of fault events.
+        # retried and what still fails is left out of the loss (verifier.py). Both report to one registry of faults.
         spec = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
                           rt.engine_gpus, rt.engine_resources)
         self.pool = GeneratorPool(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
-                                  rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s)
-        self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
-                                            self.pool.registry, rt.faults)
-        sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
-        # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
-        # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
-        catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
-        self.healers = ([make_healer(self.pool, self.verifiers, model_path, catpo, cfg.sampler_config.step_len)]
-                        if catpo is not None and catpo.heal else [])
-        # Schedulers mostly wait on engines and verifiers, so they reserve no CPU. They hold the tree state, so they
-        # live on the driver's node (same failure domain), never on a spot generator node that can vanish.
-        scheduler = TreeScheduler.options(num_cpus=0, scheduling_strategy=on_this_node())
-        self.schedulers = [scheduler.remote(self.pool, self.verifiers, model_path, cfg.algo.sampler,
-                                            cfg.sampler_config, sampling, catpo, (self.healers or [None])[0])
-                           for _ in range(rt.num_schedulers)]
-        self.learner = self.build_learner()
+                                  rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s,
+                                  deadlines=rt.deadlines, max_engine_errors=rt.faults.max_engine_errors)
+        self.verifiers: VerifierPool | None = None
+        self.schedulers: list = []
+        self.healers: list = []
+        self.learner: LearnerGroup | None = None
+        self._sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        self._catpo = cfg.algo.catpo if cfg.algo.name == "catpo" else None
+        # Of the schedulers and the healer, while growing; a replacement still starting is given start_s.
+        self._heartbeat = Heartbeat(rt.deadlines.heartbeat_s, rt.deadlines.start_s)
+        self._batches: queue.Queue | None = None  # the queue of the running train() (queued_batches reads it)
+        self.weight_sync: WeightSync | None = None
+        self.sync_metrics: dict = {}
+        """The last weight sync's `weights/*` figures (path, bytes), logged with the batch it preceded."""
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
+        try:
+            self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
+                                                self.pool.registry, rt.faults, cfg.custom_reward_function)
+            started([(f"verifier {i}", v, {"CPU": rt.verifier_cpus} if rt.verifier_cpus else {})
+                     for i, v in enumerate(self.verifiers.verifiers)], rt.deadlines.start_s)
+            # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
+            # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
+            self.healers = [self._start_healer()] if self._catpo is not None and self._catpo.heal else []
+            self.schedulers = [self._start_scheduler() for _ in range(rt.num_schedulers)]
+            started([(f"scheduler {i}", a, {}) for i, a in enumerate(self.schedulers)]
+                    + [("healer", a, {}) for a in self.healers], rt.deadlines.start_s)
+            # How weights reach the engines (path, the engines' dtype): asked of a running engine, before any export.
+            self.weight_sync = WeightSync.for_run(cfg, self.pool.engines()[0])
+            print(self.weight_sync.describe(), flush=True)
+            self.learner = self.build_learner()
+        except BaseException:
+            self.shutdown()  # a run that cannot start leaves no actor behind
+            raise
         self.pool.start()  # only now: growth takes free room, which the actors above needed first
 
     def build_learner(self) -> LearnerGroup:
         """A new learner group with the base weights (also what replaces a lost one, see recovery.py)."""
         rt = self.cfg.runtime
+        old = getattr(self, "learner", None)
+        if old is not None:  # a lost group: its ranks go, and its placement group's room goes to the new one
+            old.close()
         return LearnerGroup(self.model_path, self.cfg.learner, rt.learner_ranks, rt.learner_cpus, rt.learner_gpus,
-                            rt.learner_resources, rt.torch_threads)
+                            rt.learner_resources, rt.torch_threads, weights=self.weight_sync,
+                            deadlines=rt.deadlines)
+
+    def _start_scheduler(self):
+        """A tree scheduler. Schedulers mostly wait on engines and verifiers, so they reserve no CPU. They hold the
+        tree state, so they live on the driver's node (same failure domain), never on a spot generator node that
+        can vanish; a lost one is replaced by the pipeline, not restarted by Ray (`grow`)."""
+        cfg = self.cfg
+        return TreeScheduler.options(num_cpus=0, scheduling_strategy=on_this_node(), max_restarts=0,
+                                     max_task_retries=0).remote(
+            self.pool, self.verifiers, self.model_path, cfg.algo.sampler, cfg.sampler_config, self._sampling,
+            self._catpo, (self.healers or [None])[0], cfg.runtime.deadlines.grow_s)
+
+    def _start_healer(self):
+        return make_healer(self.pool, self.verifiers, self.model_path, self._catpo, self.cfg.sampler_config.step_len,
+                           self.cfg.runtime.deadlines.grow_s, self.cfg.rollout.temperature)
 
     def shutdown(self) -> None:
         """Kill this pipeline's actors (their resources return to the cluster)."""
         self.pool.close()  # the engines, pending ones too, and the registry
-        actors = self.verifiers.actors() + self.schedulers + self.healers + self.learner.ranks
-        for actor in actors:
+        if self.learner is not None:
+            self.learner.close()  # the ranks and their placement group
+        for actor in (self.verifiers.actors() if self.verifiers else []) + self.schedulers + self.healers:
             ray.kill(actor)
 
     # ------------------------------------------------------------------------------------------ weights
@@ -108,25 +175,104 @@ class Pipeline:
         """Load the learner's newest published weights into every engine if they run older ones (or, with `force`,
         whatever they run); returns seconds spent."""
         t0 = time.perf_counter()
-        version, ref = self.learner.published
+        version, weights = self.learner.published
         # Invariant (guaranteed by the slots in `train`): the learner has published a version the batch may use.
         assert version >= min_version, f"weights v{version} published, batch needs v{min_version} or newer"
-        if ref is not None and (force or version > self.pool.weights_version):
-            self.pool.load_weights(ref, version)  # engines that join later load these first
-        return time.perf_counter() - t0
+        loaded = weights is not None and (force or version > self.pool.weights_version)
+        if loaded:
+            self.pool.load_weights(weights, version)  # engines that join later load these first
+        seconds = time.perf_counter() - t0
+        self.sync_metrics = sync_metrics(weights if loaded else None)
+        return seconds
 
     # ------------------------------------------------------------------------------------------ rollouts
 
     def grow(self, prompts: list[Prompt], progress: float = 0.0) -> list[Tree]:
         """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order.
-        `progress`: how far training is (0 to 1), for scheduled sampler settings."""
+
+        A shard whose scheduler is lost, or stuck (heartbeat), or whose trees failed because the healer was lost,
+        is grown again from its start on a replacement (runtime.faults.max_regrows times per batch at most). Its
+        prompts carry their seeds, so the new trees are those the lost scheduler was growing. Any other failure of
+        a shard stops the batch."""
+        rt = self.cfg.runtime
         k = len(self.schedulers)
-        refs = [s.grow.remote(prompts[i::k], progress) for i, s in enumerate(self.schedulers) if prompts[i::k]]
-        shards = ray.get(refs)
+        shards = {i: prompts[i::k] for i in range(k) if prompts[i::k]}
+        healer = lambda: (self.healers or [None])[0]  # noqa: E731 - the healer a shard's trees are sent to
+        running = {self.schedulers[i].grow.remote(shard, progress): (i, healer()) for i, shard in shards.items()}
+        results: dict[int, list[Tree]] = {}
+        regrows, deadline = 0, time.monotonic() + rt.deadlines.grow_s
+        while running:
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"growing {len(prompts)} prompts: no answer within {rt.deadlines.grow_s:g}s "
+                                       "(runtime.deadlines.grow_s)")
+            done, _ = ray.wait(list(running), num_returns=len(running), timeout=rt.elastic.poll_s)
+            self._kill_stuck()
+            for ref in done:
+                i, its_healer = running.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                    continue
+                except Exception as err:  # noqa: BLE001 - recovered below if an actor was lost, else raised
+                    if not self._replace_lost(i, err, its_healer):
+                        raise
+                    regrows += 1
+                    if regrows > rt.faults.max_regrows:
+                        raise RuntimeError(f"a batch's prompts were grown again {regrows - 1} times and their "
+                                           "actors keep failing (runtime.faults.max_regrows)") from err
+                self.pool.registry.record.remote("regrown_prompts", f"{len(shards[i])} prompts grown again on a new "
+                                                 "scheduler, with the same seeds", len(shards[i]))
+                running[self.schedulers[i].grow.remote(shards[i], progress)] = (i, healer())
         out: list[Tree] = [None] * len(prompts)  # type: ignore[list-item]
-        for i, shard in enumerate(shards):
+        for i, shard in results.items():
             out[i::k] = shard
         return out
+
+    def _kill_stuck(self) -> None:
+        """Heartbeat of the schedulers and the healer: a stuck one is killed, so that its calls fail and `grow`
+        replaces it like a lost one (a dead one is found the same way, through its failed call)."""
+        actors = {f"scheduler {i}": a for i, a in enumerate(self.schedulers)}
+        actors.update({"healer": a for a in self.healers})
+        _, stuck = self._heartbeat.check(actors)
+        for name in stuck:
+            ray.kill(actors[name])
+            self._heartbeat.forget(name)
+            msg = (f"{name} did not answer a ping for {self.cfg.runtime.deadlines.heartbeat_s:g}s "
+                   "(runtime.deadlines.heartbeat_s): killed and replaced")
+            report(msg)
+            self.pool.registry.record.remote("schedulers_stuck" if name != "healer" else "healers_stuck", msg)
+
+    def _replace_lost(self, i: int, err: BaseException, its_healer) -> bool:
+        """Scheduler `i`'s shard failed with `err`: replace what was lost (the scheduler itself, or `its_healer`,
+        the healer its trees were sent to) and return True; False when nothing was lost (the error is the shard's
+        own). A replacement is not waited for: one that is lost before it runs fails the shard's next call in
+        turn, and is replaced like any other."""
+        if isinstance(err, RayActorError) and actor_lost(err):
+            msg = f"scheduler {i} lost ({brief(err)}); a new one grows its prompts again"
+            report(msg)
+            self.pool.registry.record.remote("schedulers_lost", msg)
+            self._heartbeat.forget(f"scheduler {i}")
+            self.schedulers[i] = self._start_scheduler()
+            return True
+        if its_healer is not None and its_healer is not self.healers[0]:
+            return True  # another shard's failure replaced that healer already
+        if self.healers and not self._answers(self.healers[0]):
+            msg = f"the CATPO healer was lost ({brief(err)}); a new one takes over"
+            report(msg)
+            self.pool.registry.record.remote("healers_lost", msg)
+            ray.kill(self.healers[0])
+            self._heartbeat.forget("healer")
+            self.healers = [self._start_healer()]
+            for scheduler in self.schedulers:  # before the shard it is sent again: calls run in the order sent
+                scheduler.set_healer.remote(self.healers[0])
+            return True
+        return False
+
+    def _answers(self, actor) -> bool:
+        try:
+            get(ping(actor), self.cfg.runtime.deadlines.call_s, "ping")
+        except (RayActorError, DeadlineExceeded):
+            return False
+        return True
 
     def make_batch(self, step: int, stream: PromptStream, num_trees_logged: int = 0) -> RolloutBatch:
         """Grow, score and credit one step's batch (DAPO dynamic sampling: refill filtered prompts)."""
@@ -141,6 +287,7 @@ class Pipeline:
             n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
             trees = self.grow(stream.take(n), progress=step / max(1, cfg.trainer.steps - 1))
             grown += trees
+            trees = [t for t in trees if t.trajectories]  # none left when every verification of a tree failed
             kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
             if len(kept) >= need:
                 break
@@ -148,12 +295,12 @@ class Pipeline:
             pick = np.random.default_rng([cfg.trainer.seed, step]).choice(len(kept), need, replace=False)
             kept = [kept[i] for i in sorted(pick)]
         t_grow = time.perf_counter()
-        # CATPO phase 4 (phases 2-3 ran in the schedulers): each tree's advantages scaled by w(T) = F / mean F.
-        weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
-        samples = samples_from_trees(kept, algo.advantages(kept), weights)
+        samples, credit, weights = self.credit(kept)
         t_credit = time.perf_counter()
 
-        metrics = tree_metrics(grown, algo.correct_threshold)
+        metrics = tree_metrics(grown, algo.correct_threshold, cfg.sampler_config.response_limit())
+        metrics.update(advantage_metrics(kept, [c.trajectories for c in credit], weights))
+        metrics.update(verification_metrics(grown, cfg.runtime.faults.max_verify_failed_share))
         metrics["rollout/sampled_tokens"] = float(sampled_tokens(grown))  # healing's generation included
         if algo.name == "catpo":
             metrics.update(catpo_metrics(grown, weights))
@@ -167,11 +314,35 @@ class Pipeline:
             "tree/forward_tokens": float(fwd),
             "tree/forward_per_unique": fwd / unique if unique else math.nan,
             "perf/traj_per_s": trajectories / max(t_grow - t0, 1e-9),
-            "time/rollout": t_grow - t0,
-            "time/credit": t_credit - t_grow,
+            "timing_s/gen": t_grow - t0,
+            "timing_s/adv": t_credit - t_grow,
         })
-        return RolloutBatch(step, self.pool.weights_version, ray.put(samples), len(samples), stream.position, metrics,
-                            [self.tree_record(t) for t in kept[:num_trees_logged]])
+        return RolloutBatch(step, self.pool.weights_version, ray.put(samples),
+                            sum(len(t.trajectories) for t in samples), stream.position, metrics,
+                            [self.tree_record(t) for t in kept[:num_trees_logged]], kept)
+
+    def credit(self, kept: list[Tree]) -> tuple[list, list, list[float] | None]:
+        """The learner's trees of the kept trees (learner/batch.py: TrainTree), their credit and, under CATPO, the
+        tree weights they were scaled by (phase 4; phases 2-3 ran in the schedulers): w(T) = F / mean F."""
+        algo = self.cfg.algo
+        weights = catpo_weights(kept) if algo.name == "catpo" and algo.catpo.weighting else None
+        credit = algo.credit(kept)
+        return train_trees(kept, credit, weights), credit, weights
+
+    def batch_from_record(self, record: dict) -> RolloutBatch:
+        """A batch saved with a checkpoint while it waited in the queue (RolloutBatch.to_record), ready to train."""
+        kept = [Tree.from_dict(t) for t in record["kept"]]
+        samples, _, _ = self.credit(kept)
+        return RolloutBatch(record["step"], record["version"], ray.put(samples), sum(len(t.trajectories) for t in samples),
+                            record["data_position"], dict(record["metrics"]), list(record["trees"]), kept)
+
+    def queued_batches(self) -> list[RolloutBatch]:
+        """The batches waiting in the running train()'s queue for the learner, oldest first (a checkpoint keeps
+        them)."""
+        if self._batches is None:
+            return []
+        with self._batches.mutex:
+            return [b for b in self._batches.queue if isinstance(b, RolloutBatch)]
 
     def _engine_counters(self) -> dict:
         """Counters per engine id (an engine that joins mid-batch counts from zero; one that dies is left out)."""
@@ -181,7 +352,7 @@ class Pipeline:
         """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
         events = self.pool.drain_events()
         for _, kind, detail, _ in events:
-            if kind in ("engines_lost", "engines_joined", "chaos_kills"):
+            if kind.startswith(("engines_", "engine_errors", "chaos")):
                 report(detail)  # the others were logged where they happened
         return {"pool/size": float(self.pool.size), **event_metrics(events)}
 
@@ -205,30 +376,42 @@ class Pipeline:
                                SamplingParams(temperature=temperature, seed=1_000_003 * i))
                 for i, p in enumerate(problems)]
         results = self.pool.generate_now(reqs)  # spread over the live engines, re-sent if one dies
-        triples = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
-                    p.ground_truth) for p, r in zip(problems, results) for c in r.children]
-        rewards = np.array(ray.get(self.verifiers.score(triples)), dtype=np.float64)
+        items = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True),
+                  p.ground_truth, p.extra_info) for p, r in zip(problems, results) for c in r.children]
+        scored = get(self.verifiers.score(items), self.cfg.runtime.deadlines.grow_s, "verifying the evaluation")
+        verified = [(p.data_source, r) for (p, _), r in zip(
+            ((p, c) for p, res in zip(problems, results) for c in res.children), scored) if r is not None]
+        sources = [src for src, _ in verified]  # a failed verification is left out, not scored as wrong
+        rewards = np.array([r for _, r in verified], dtype=np.float64)
         lengths = [len(c.token_ids) for r in results for c in r.children]
-        return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()),
-                "eval/reward": float(rewards.mean()), "eval/response_len": float(np.mean(lengths)),
+        return {"eval/accuracy": float((rewards >= self.cfg.algo.correct_threshold).mean()) if rewards.size else 0.0,
+                "eval/reward": float(rewards.mean()) if rewards.size else 0.0,
+                "eval/response_len": float(np.mean(lengths)), "eval/verify_failed": float(len(scored) - rewards.size),
                 "eval/problems": float(len(problems)), "eval/version": float(version),
-                "time/eval": time.perf_counter() - t0}
+                **validation_metrics(sources, rewards, self.cfg.algo.correct_threshold, samples),
+                "timing_s/testing": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def train(self, start_step: int, end_step: int, stream: PromptStream, on_step, trees_per_step: int = 0,
-              eval_every: int = 0, max_staleness: int | None = None) -> int:
+              eval_every: int = 0, max_staleness: int | None = None, queued: list[RolloutBatch] = ()) -> int:
         """Train steps [start_step, end_step); `on_step(batch, metrics) -> bool` logs and checkpoints after each
         step and returns False to stop early. With `eval_every`, the producer evaluates `self.eval_set` on the
         weights it has just loaded every that many steps (between two batches, so the engines are idle).
-        `max_staleness` overrides runtime.max_staleness for this call. Returns the number of steps completed
+        `max_staleness` overrides runtime.max_staleness for this call. `queued`: batches of the first steps that
+        were already grown (they waited in the queue when the checkpoint being resumed was taken); they are
+        trained as they are, and `stream` continues after the last of them. Returns the number of steps completed
         (the learner's new version)."""
         s = self.cfg.runtime.max_staleness if max_staleness is None else max_staleness
+        queued = list(queued)
+        if [b.step for b in queued] != list(range(start_step, start_step + len(queued))):
+            raise ValueError(f"queued batches of steps {[b.step for b in queued]} do not start at step {start_step}")
         # Back-pressure and the staleness bound in one place: the producer takes a slot before growing a batch and
         # the consumer returns it after training on one and publishing the new weights. With s + 1 slots, batch k
         # starts only after batch k - s - 1 has been trained, i.e. when weights of version >= k - s exist.
         slots = threading.Semaphore(s + 1)
         batches: queue.Queue = queue.Queue(maxsize=s + 1)
+        self._batches = batches
         stop = threading.Event()
 
         def produce() -> None:
@@ -237,12 +420,15 @@ class Pipeline:
                     slots.acquire()
                     if stop.is_set():
                         break
+                    if queued:  # grown before the restart, with the weights of its own time
+                        batches.put(queued.pop(0))
+                        continue
                     sync_s = self.sync_weights(min_version=step - s)
                     evaluated = {}
                     if eval_every and step > start_step and step % eval_every == 0:
                         evaluated = self.evaluate(self.eval_set, **self.eval_args)
                     batch = self.make_batch(step, stream, trees_per_step)
-                    batch.metrics.update(evaluated, **{"time/weight_sync": sync_s})
+                    batch.metrics.update(evaluated, **self.sync_metrics, **{"timing_s/update_weights": sync_s})
                     batches.put(batch)
             except BaseException as err:  # surfaces in the consumer, which re-raises it
                 batches.put(err)
@@ -267,10 +453,11 @@ class Pipeline:
                 t_train = time.perf_counter()
                 metrics = {}
                 if batch.num_samples:
-                    learner = ray.get(self.learner.train_step(batch.samples))
-                    metrics = {f"train/{k}": v for k, v in learner.items()}
+                    learner = get(self.learner.train_step(batch.samples), self.cfg.runtime.deadlines.train_step_s,
+                                  "learner step")
+                    metrics = {f"actor/{k}": v for k, v in learner.items()}
                 else:
-                    metrics = {"train/skipped": 1.0}
+                    metrics = {"actor/skipped": 1.0}
                 t_pub = time.perf_counter()
                 self.learner.publish(step + 1)
                 slots.release()
@@ -279,13 +466,14 @@ class Pipeline:
                 # Fault events are drained here, not when the batch was grown: a batch dropped unseen (its learner
                 # was lost) would take its events with it.
                 metrics.update(self.fault_metrics())
-                metrics.update({"perf/staleness": float(staleness), "time/train": t_pub - t_train,
-                                "time/publish": now - t_pub, "time/wait": waited, "time/step": now - last})
+                metrics.update({"perf/staleness": float(staleness), "timing_s/update_actor": t_pub - t_train,
+                                "timing_s/publish": now - t_pub, "timing_s/wait": waited, "timing_s/step": now - last})
                 last = now
                 step += 1
                 if not on_step(batch, metrics):
                     break
         finally:
+            self._batches = None
             stop.set()
             slots.release()  # wake a producer waiting for a slot so it sees `stop`
             while producer.is_alive():

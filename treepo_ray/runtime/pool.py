@@ -13,6 +13,11 @@ A re-sent request names a cache key of the dead engine, which the new engine doe
 prefix from the ids (engines/base.py). Seeded sampling makes the re-sent segment the one the dead engine would
 have produced, so a loss costs time, not trajectories.
 
+An engine that is alive but stops answering (a ping unanswered for runtime.deadlines.heartbeat_s, or a call past
+runtime.deadlines.generate_s) is killed and replaced like a dead one; so is an engine whose step raised an error that
+is not bad input (out of memory, a CUDA error): its state may be broken, and the call is re-sent to another engine,
+up to runtime.faults.max_engine_errors engines per call.
+
 Engines are replaced, not restarted in place by Ray (max_restarts=0, max_task_retries=0). A call in flight to a
 dead engine then fails at once with ActorDiedError, and the scheduler re-sends it to a live engine; Ray's retry
 would instead wait for the engine's restart (after a preemption: for a new node) and run on a fresh actor that
@@ -31,11 +36,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
-from treepo_ray.runtime.engine import EngineActor
-from treepo_ray.runtime.registry import RuntimeRegistry, actor_id, actor_lost, on_this_node, ping, report
+from treepo_ray.job.config import DeadlineConfig
+from treepo_ray.runtime.engine import EngineActor, engine_placement, release_placement, tensor_parallel_size
+from treepo_ray.runtime.liveness import DeadlineExceeded, Heartbeat, get, within
+from treepo_ray.runtime.registry import RuntimeRegistry, actor_id, actor_lost, on_this_node, report
 
 
 def _watch(manager_ref, stop: threading.Event, poll_s: float) -> None:
@@ -62,6 +70,15 @@ class EngineSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict, init=False, repr=False)
+    """Actor id -> placement group of each tensor-parallel engine started (engine.py), until `release`."""
+
+    def __post_init__(self) -> None:
+        tp = tensor_parallel_size(self.engine, self.engine_kwargs)
+        if tp > 1 and self.num_gpus != tp:
+            raise ValueError(f"runtime.engine_gpus = {self.num_gpus}, but model.engine_kwargs.tensor_parallel_size = "
+                             f"{tp}: each engine needs {tp} GPUs")
+        weakref.finalize(self, _release_all, self.groups)  # a dropped pool's engines die; their groups go too
 
     def demand(self) -> dict[str, float]:
         want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
@@ -72,9 +89,29 @@ class EngineSpec:
         return all(available.get(k, 0.0) >= v for k, v in self.demand().items())
 
     def start(self):
+        tp = tensor_parallel_size(self.engine, self.engine_kwargs)
+        if tp > 1:  # in its GPUs' placement group, where vLLM's Ray executor finds them
+            group = engine_placement(tp, self.num_cpus, self.resources)
+            place = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                     placement_group_capture_child_tasks=True)
+            actor = EngineActor.options(num_cpus=self.num_cpus, scheduling_strategy=place, max_restarts=0,
+                                        max_task_retries=0).remote(self.engine, self.model_path, self.engine_kwargs,
+                                                                   self.torch_threads)
+            self.groups[actor_id(actor)] = group
+            return actor
         return EngineActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
                                    max_restarts=0, max_task_retries=0).remote(
             self.engine, self.model_path, self.engine_kwargs, self.torch_threads)
+
+    def release(self, keep: set[str]) -> None:
+        """Remove the placement groups of engines not in `keep` (dead, dropped or killed): their GPUs go back."""
+        for eid in [eid for eid in self.groups if eid not in keep]:
+            release_placement(self.groups.pop(eid))
+
+
+def _release_all(groups: dict) -> None:
+    for eid in list(groups):
+        release_placement(groups.pop(eid))
 
 
 class GeneratorPool:
@@ -88,17 +125,18 @@ class GeneratorPool:
     """
 
     # What a pickled copy keeps: the routing state. The rest (members, pending actors, the thread) is the driver's.
-    _ROUTING = ("registry", "max_resends", "refresh_s", "engine_wait_s", "_epoch", "_engines", "_trees", "_home",
-                "_dead")
+    _ROUTING = ("registry", "max_resends", "refresh_s", "engine_wait_s", "deadlines", "max_engine_errors", "_epoch",
+                "_engines", "_trees", "_home", "_dead")
 
     def __init__(self, spec: EngineSpec, num_engines: int, max_engines: int = 0, poll_s: float = 0.5,
                  max_resends: int = 16, engine_wait_s: float = 900.0, startup_timeout_s: float = 600.0,
-                 registry=None):
+                 registry=None, deadlines: DeadlineConfig | None = None, max_engine_errors: int = 3):
         if num_engines < 1:
             raise ValueError(f"num_engines = {num_engines}; the pool needs at least one engine")
         # Routing (every copy).
         self.registry = registry or RuntimeRegistry.options(scheduling_strategy=on_this_node()).remote()
         self.max_resends, self.refresh_s, self.engine_wait_s = max_resends, poll_s, engine_wait_s
+        self.deadlines, self.max_engine_errors = deadlines or DeadlineConfig(), max_engine_errors
         self._epoch = 0
         self._engines: dict[str, object] = {}  # engine id -> actor, as this copy knows them
         self._trees: dict[str, int] = {}  # engine id -> live trees this copy routed there
@@ -111,7 +149,8 @@ class GeneratorPool:
         self.poll_s = poll_s
         self._members: dict[str, object] = {}
         self._pending: dict[str, tuple[object, object]] = {}  # id -> (actor, ObjectRef that resolves when it is up)
-        self._pings: dict[str, object] = {}
+        self._heartbeat = Heartbeat(self.deadlines.heartbeat_s)
+        self._asked: dict[str, float] = {}  # pending engine id -> when it was asked for (until reported)
         self._weights: tuple[int, object] = (0, None)  # the version (and ObjectRef) every live engine holds
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -167,29 +206,53 @@ class GeneratorPool:
         now = time.monotonic()
         if force or now - self._checked >= self.refresh_s:
             self._checked = now
-            got = await self.registry.engines_since.remote(self._epoch)
+            got = await within(self.registry.engines_since.remote(self._epoch), self.deadlines.call_s, "registry")
             if got is not None:
                 epoch, (members,) = got
-                self.set_engines(epoch, await members)
+                self.set_engines(epoch, await within(members, self.deadlines.call_s, "member list"))
 
     def _refresh_sync(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._checked >= self.refresh_s:
             self._checked = now
-            got = ray.get(self.registry.engines_since.remote(self._epoch))
+            got = get(self.registry.engines_since.remote(self._epoch), self.deadlines.call_s, "registry")
             if got is not None:
                 epoch, (members,) = got
-                self.set_engines(epoch, ray.get(members))
+                self.set_engines(epoch, get(members, self.deadlines.call_s, "member list"))
 
     def _no_engine(self, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no live engine for {self.engine_wait_s:.0f}s (runtime.faults.engine_wait_s)")
 
-    def _resent(self, eid: str, err: BaseException, query_id: str, method: str, args: tuple) -> None:
+    def _failed(self, eid: str, err: BaseException, query_id: str, method: str, args: tuple, errors: int) -> int:
+        """A call on engine `eid` failed: if the engine is lost, stuck (past its deadline) or its step raised (out
+        of memory, a CUDA error: its state may be broken), give it up (killed if alive; the pool manager replaces
+        it) and let the caller send the call again; returns the engine errors of this call so far. Raised instead:
+        a request the engine refuses as bad input (a ValueError), anything else, and an engine error once more than
+        max_engine_errors engines failed the same call (then the request is at fault, not the engines)."""
+        engine = self._engines.get(eid)
+        if isinstance(err, RayActorError):
+            if not actor_lost(err):
+                raise err
+        elif isinstance(err, DeadlineExceeded):  # alive, not answering
+            if engine is not None:
+                ray.kill(engine)
+            self.registry.record.remote("engines_stuck", f"engine {eid[:8]} stuck ({err}): killed")
+        elif isinstance(err, RayTaskError) and not isinstance(err.cause, ValueError):
+            errors += 1
+            if errors > self.max_engine_errors:
+                raise err
+            if engine is not None:
+                ray.kill(engine)
+            cause = f"{type(err.cause).__name__}: {str(err.cause).splitlines()[0] if str(err.cause) else ''}"
+            self.registry.record.remote("engine_errors", f"engine {eid[:8]} failed ({cause}): killed and replaced")
+        else:
+            raise err
         self._lost(eid)
         n = len(args[0]) if method == "generate" else 1  # count requests, not calls
-        self.registry.record.remote("resent_requests", f"engine {eid[:8]} lost mid-call ({type(err).__name__}): "
+        self.registry.record.remote("resent_requests", f"engine {eid[:8]} gone mid-call ({type(err).__name__}): "
                                     f"{n} {method} requests of {query_id} sent again", n)
+        return errors
 
     def _gave_up(self, query_id: str) -> RuntimeError:
         return RuntimeError(f"{query_id}: sent {self.max_resends + 1} times and every engine died under it "
@@ -204,7 +267,7 @@ class GeneratorPool:
         dies before answering (the method must be safe to run twice: a dead engine's half-done call is lost)."""
         if query_id not in self._home:
             await self._refresh()  # a new tree: pick up engines that joined meanwhile
-        deadline = time.monotonic() + self.engine_wait_s
+        deadline, errors = time.monotonic() + self.engine_wait_s, 0
         for _ in range(self.max_resends + 1):
             while not self._engines:
                 self._no_engine(deadline)
@@ -212,18 +275,17 @@ class GeneratorPool:
                 await self._refresh(force=True)
             eid = self._home_of(query_id)
             try:
-                return await getattr(self._engines[eid], method).remote(*args)
-            except RayActorError as err:
-                if not actor_lost(err):
-                    raise
-                self._resent(eid, err, query_id, method, args)
+                return await within(getattr(self._engines[eid], method).remote(*args), self.deadlines.generate_s,
+                                    f"engine {eid[:8]} {method} for {query_id}")
+            except (RayActorError, RayTaskError, DeadlineExceeded) as err:
+                errors = self._failed(eid, err, query_id, method, args, errors)
         raise self._gave_up(query_id)
 
     def call_sync(self, query_id: str, method: str, *args):
         """Blocking `call`, for callers outside an event loop (threads of a threaded actor)."""
         if query_id not in self._home:
             self._refresh_sync()
-        deadline = time.monotonic() + self.engine_wait_s
+        deadline, errors = time.monotonic() + self.engine_wait_s, 0
         for _ in range(self.max_resends + 1):
             while not self._engines:
                 self._no_engine(deadline)
@@ -231,11 +293,10 @@ class GeneratorPool:
                 self._refresh_sync(force=True)
             eid = self._home_of(query_id)
             try:
-                return ray.get(getattr(self._engines[eid], method).remote(*args))
-            except RayActorError as err:
-                if not actor_lost(err):
-                    raise
-                self._resent(eid, err, query_id, method, args)
+                return get(getattr(self._engines[eid], method).remote(*args), self.deadlines.generate_s,
+                           f"engine {eid[:8]} {method} for {query_id}")
+            except (RayActorError, RayTaskError, DeadlineExceeded) as err:
+                errors = self._failed(eid, err, query_id, method, args, errors)
         raise self._gave_up(query_id)
 
     def _lost(self, eid: str) -> None:
@@ -253,27 +314,41 @@ class GeneratorPool:
                 self._engines[home].release.remote(cache_keys)
 
     def _load_into_engines(self, state_ref, version: int) -> list[str]:
-        """Load one object-store copy of the weights into every engine; returns the ids of engines found dead
-        (the pool manager replaces them). Any other failure is raised."""
+        """Load one object-store copy of the weights into every engine; returns the ids of engines found dead or
+        stuck (the pool manager replaces them). Any other failure is raised."""
+        if hasattr(state_ref, "deliver"):  # a broadcast (weights.py): one transfer to every engine at once
+            lost = state_ref.deliver(dict(self._engines), version)
+            for eid in lost:
+                self._lost(eid)
+            return lost
         refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
-        lost = []
-        for eid, ref in refs.items():
+        end, lost, error = time.monotonic() + self.deadlines.call_s, [], None
+        for eid, ref in refs.items():  # every answer is taken, even after an error (none is left unhandled)
             try:
-                ray.get(ref)
-            except RayActorError as err:
-                if not actor_lost(err):
-                    raise
+                get(ref, max(end - time.monotonic(), 0.0), f"engine {eid[:8]} loading weights v{version}")
+            except DeadlineExceeded:
+                ray.kill(self._engines[eid])
                 lost.append(eid)
                 self._lost(eid)
+            except RayActorError as err:
+                if not actor_lost(err):  # e.g. the weights' owner, a learner, died: raised once all answered
+                    error = error or err
+                    continue
+                lost.append(eid)
+                self._lost(eid)
+        if error is not None:
+            raise error
         return lost
 
     def stats(self) -> list[dict]:
-        """Counters of each live engine (with its `engine_id`); dead engines are left out."""
-        refs = [(eid, e.stats.remote()) for eid, e in list(self._engines.items())]
+        """Counters of each live engine (with its `engine_id`); engines that are dead, or that do not answer within
+        the heartbeat deadline, are left out."""
+        refs = {e.stats.remote(): eid for eid, e in list(self._engines.items())}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.deadlines.heartbeat_s)
         out = []
-        for eid, ref in refs:
+        for ref in done:
             try:
-                out.append({**ray.get(ref), "engine_id": eid})
+                out.append({**ray.get(ref), "engine_id": refs[ref]})
             except RayActorError as err:
                 if not actor_lost(err):
                     raise
@@ -284,6 +359,19 @@ class GeneratorPool:
     def _spawn(self) -> None:
         actor = self.spec.start()
         self._pending[actor_id(actor)] = (actor, actor.stats.remote())
+        self._asked[actor_id(actor)] = time.monotonic()
+
+    def _report_unscheduled(self) -> None:
+        """An engine still pending after deadlines.start_s is reported once, with what it asks for: it waits for a
+        node (an autoscaler may be adding one), and the run goes on with the engines it has."""
+        now = time.monotonic()
+        for eid in self._pending:
+            asked = self._asked.get(eid)
+            if asked is not None and now - asked > self.deadlines.start_s:
+                del self._asked[eid]
+                free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+                self._event("engines_unscheduled", f"engine {eid[:8]} not started after {now - asked:.0f}s "
+                            f"(runtime.deadlines.start_s): asks {self.spec.demand()}; the cluster has free {free}")
 
     def _await_first(self, timeout_s: float) -> None:
         """Wait for every engine of the initial pool (at least one; the rest may join later)."""
@@ -307,7 +395,9 @@ class GeneratorPool:
         with self._lock:
             self._admit(wait_s)
             self._check_health()
+            self.spec.release(set(self._members) | set(self._pending))  # tensor-parallel engines' GPUs
             self._request_more()
+            self._report_unscheduled()
 
     def _admit(self, wait_s: float) -> None:
         if not self._pending:
@@ -318,11 +408,17 @@ class GeneratorPool:
         for ref in done:
             eid = ready[ref]
             actor, _ = self._pending.pop(eid)
+            self._asked.pop(eid, None)
             version, weights = self._weights
             try:
                 ray.get(ref)
                 if weights is not None:  # the pool runs trained weights: the newcomer loads them first
-                    ray.get(actor.load_weights.remote(weights, version))
+                    get(actor.load_weights.remote(weights, version), self.deadlines.call_s,
+                        f"engine {eid[:8]} loading weights v{version} before joining")
+            except DeadlineExceeded as err:
+                ray.kill(actor)
+                self._event("engines_stuck", f"engine {eid[:8]} stuck while starting ({err}): killed")
+                continue
             except RayActorError as err:
                 if not actor_lost(err):  # the weights are what failed (their learner died): try again next round
                     self._pending[eid] = (actor, actor.stats.remote())
@@ -340,6 +436,7 @@ class GeneratorPool:
                 continue
             self.init_failures = 0
             self._members[eid] = actor
+            self._heartbeat.answered(eid)  # it answered `stats`: up
             self.joined += 1
             changed = True
             if self._thread is not None:  # a replacement or growth, not the initial pool
@@ -348,28 +445,23 @@ class GeneratorPool:
             self._publish()
 
     def _check_health(self) -> None:
-        for eid, actor in self._members.items():
-            if eid not in self._pings:
-                self._pings[eid] = ping(actor)
-        refs = {ref: eid for eid, ref in self._pings.items()}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        dead = []
-        for ref in done:
-            eid = refs[ref]
-            del self._pings[eid]
-            try:
-                ray.get(ref)
-            except RayActorError as err:
-                dead.append((eid, err))
+        """Heartbeat: dead engines are dropped; stuck ones (alive, a ping unanswered for deadlines.heartbeat_s)
+        are killed and dropped. The floor in _request_more then asks for their replacements."""
+        dead, stuck = self._heartbeat.check(dict(self._members))
+        for eid in stuck:
+            ray.kill(self._members[eid])
+            self._event("engines_stuck", f"engine {eid[:8]} did not answer a ping for "
+                        f"{self.deadlines.heartbeat_s:g}s (runtime.deadlines.heartbeat_s): killed and replaced")
+            self._drop(eid, f"engine {eid[:8]} stuck")
         for eid, err in dead:
             self._drop(eid, f"engine {eid[:8]} lost: {type(err).__name__}"
                        + (" (node preempted)" if getattr(err, "preempted", False) else ""))
-        if dead:
+        if dead or stuck:
             self._publish()
 
     def _drop(self, eid: str, why: str) -> None:
         if self._members.pop(eid, None) is not None:
-            self._pings.pop(eid, None)
+            self._heartbeat.forget(eid)
             self.lost += 1
             self._event("engines_lost", why)
 
@@ -413,6 +505,7 @@ class GeneratorPool:
                 ray.kill(actor)
             self._members.clear()
             self._pending.clear()
+            self.spec.release(set())
         ray.kill(self.registry)
 
     # -------------------------------------------------------------------------------- what the pipeline calls
@@ -446,7 +539,7 @@ class GeneratorPool:
         sent again to another one. Blocking; for the driver (evaluation)."""
         results: dict[str, SegmentResult] = {}
         todo = list(requests)
-        deadline = time.monotonic() + timeout_s
+        deadline, errors = time.monotonic() + timeout_s, 0
         while todo:
             with self._lock:
                 engines = list(self._members.items())
@@ -460,21 +553,18 @@ class GeneratorPool:
             todo = []
             for eid, shard, ref in calls:
                 try:
-                    for res in ray.get(ref):
+                    for res in get(ref, self.deadlines.generate_s, f"engine {eid[:8]} generate"):
                         results[res.request_id] = res
-                except RayActorError as err:
-                    if not actor_lost(err):
-                        raise
+                except (RayActorError, RayTaskError, DeadlineExceeded) as err:
+                    errors = self._failed(eid, err, "evaluation", "generate", (shard,), errors)
                     todo += shard
                     with self._lock:
-                        self._drop(eid, f"engine {eid[:8]} lost: {type(err).__name__}")
+                        self._drop(eid, f"engine {eid[:8]} gone: {type(err).__name__}")
                         self._publish()
-                    self._event("resent_requests", f"engine {eid[:8]} lost ({type(err).__name__}): "
-                                f"{len(shard)} requests sent again", len(shard))
         return [results[r.request_id] for r in requests]
 
     def drain_events(self) -> list[tuple[float, str, str, int]]:
         try:
-            return ray.get(self.registry.drain.remote(), timeout=30)
-        except (RayActorError, GetTimeoutError):
+            return get(self.registry.drain.remote(), self.deadlines.call_s, "registry")
+        except (RayActorError, DeadlineExceeded):
             return []

@@ -77,6 +77,12 @@ def event_metrics(events: list[tuple[float, str, str, int]]) -> dict[str, float]
     return out
 
 
+def brief(err: BaseException) -> str:
+    """An error as one line: its type and the first line of its message (Ray's carry pages of context)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 def report(message: str) -> None:
     """A fault's reason, on the console of the process that saw it (Ray forwards actors' stderr to the driver)."""
     print(f"[treepo-ray fault] {message}", file=sys.stderr, flush=True)

@@ -2,7 +2,9 @@
 
 For each prompt it runs a grower (tree/), sends every ask the tree has ready to the generator pool at once (engines
 batch them with everyone else's), hands results back to the grower, and when the tree is done verifies its
-trajectories and, under CATPO, scores and heals it. It owns the tree state, so it lives on the driver's node.
+trajectories (those that fail verification are left out) and, under CATPO, scores and heals it. It owns the tree
+state, so it lives on the driver's node. A lost or stuck scheduler is replaced by the pipeline, which grows its
+prompts again on the new one: the prompts' seeds make the new trees the ones the lost scheduler was growing.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from treepo_ray.engines.base import SamplingParams
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.engines.driver import TreeTracker
 from treepo_ray.runtime.healer import score_and_heal
+from treepo_ray.runtime.liveness import within
 from treepo_ray.runtime.pool import GeneratorPool
-from treepo_ray.runtime.verifier import VerifierPool
+from treepo_ray.runtime.verifier import VerifierPool, leave_out_unverified
 from treepo_ray.tree import SequentialGrower, Tree, TreePOGrower, TreeRPOGrower, scheduled
 
 GROWERS = {"sequential": SequentialGrower, "treepo": TreePOGrower, "treerpo": TreeRPOGrower}
@@ -28,7 +31,8 @@ class TreeScheduler:
     """Grows and scores the trees of the prompts it is given (one grower per prompt, all concurrently)."""
 
     def __init__(self, pool: GeneratorPool, verifiers: VerifierPool, model_path: str, sampler: str,
-                 sampler_cfg, sampling: SamplingParams, catpo=None, healer=None):
+                 sampler_cfg, sampling: SamplingParams, catpo=None, healer=None, wait_s: float = 7200.0):
+        """`wait_s`: deadline of one verification or healing call (runtime.deadlines.grow_s)."""
         from transformers import AutoTokenizer
 
         if sampler not in GROWERS:
@@ -38,6 +42,11 @@ class TreeScheduler:
         self.grower_cls, self.sampler_cfg = GROWERS[sampler], sampler_cfg
         self.tracker = TreeTracker(sampling)  # asks <-> engine requests, with each node's engine cache key
         self.catpo, self.healer = catpo, healer  # CatpoConfig and HealerActor of a CATPO run, else None
+        self.wait_s = wait_s
+
+    def set_healer(self, healer) -> None:
+        """The replacement of a lost healer (pipeline.py)."""
+        self.healer = healer
 
     def decode(self, ids: list[int]) -> str:
         return safe_decode(self.tokenizer, ids, skip_special_tokens=True)  # a bad model output must not raise
@@ -74,9 +83,11 @@ class TreeScheduler:
         if not grower.done():
             raise RuntimeError(f"the grower of {qid!r} stopped asking before its tree was done")
         solutions = [self.decode(tree.response_ids(n)) for n in tree.trajectories]
-        triples = [(prompt.data_source, s, prompt.ground_truth) for s in solutions]
-        tree.set_trajectory_rewards(await self.verifiers.score(triples) if triples else [])
-        tree.meta.update(ground_truth=prompt.ground_truth, data_source=prompt.data_source)
+        items = [(prompt.data_source, s, prompt.ground_truth, prompt.extra_info) for s in solutions]
+        rewards = await within(self.verifiers.score(items), self.wait_s, f"verifying {qid}") if items else []
+        tree = leave_out_unverified(tree, rewards)
+        tree.meta.update(ground_truth=prompt.ground_truth, data_source=prompt.data_source,
+                         extra_info=prompt.extra_info)
         if self.catpo is not None:  # CATPO phases 2-3: score the tree, heal it if dead-wrong (healer.py)
-            tree = await score_and_heal(tree, self.catpo, self.healer, prompt.seed)
+            tree = await score_and_heal(tree, self.catpo, self.healer, prompt.seed, self.wait_s)
         return tree

@@ -5,23 +5,31 @@ synthetic task, TreePO; `algo.name=grpo` runs the baseline the same way. It eval
 policy on held-out problems (pass@1: the mean accuracy of trainer.eval_samples answers per problem sampled at
 trainer.eval_temperature, 4 at 1.0 by default; eval_temperature=0 decodes greedily), and writes
 `<run_dir>/summary.json`.
+
+The run directory lives in run storage (trainer.storage_path: a local or shared path, or an object store), which every
+node reaches: the learner ranks write checkpoints there, this driver lists, prunes and restores from there
+(job/rundir.py: the lock, the run record, which run `resume=auto` continues). A driver killed at any moment (even by
+SIGKILL) is resumed with `trainer.resume=auto`: the same step, data position and W&B run, and the batches that were
+waiting for the learner at the checkpoint are trained as they were grown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
-import yaml
 
 from treepo_ray import config as config_io
+from treepo_ray import storage
 from treepo_ray.data.prompts import Prompt, PromptStream
-from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.job.config import TrainConfig, parse_config, print_config
+from treepo_ray.job.inputs import check_inputs, load_prompts, resolve_model
+from treepo_ray.job.rundir import (LogMirror, RunLock, RunRecord, prune_run, resolve_run, save_pending,
+                                   write_config)
 from treepo_ray.job.state import TrainerState
 
 
@@ -40,33 +48,6 @@ def init_ray(cfg: TrainConfig) -> None:
         ray.init(num_cpus=cfg.runtime.num_cpus or os.cpu_count(), include_dashboard=None)
 
 
-def resolve_run_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from (None for a fresh run)."""
-    from treepo_ray.learner import latest_checkpoint
-
-    resume, run_dir = cfg.trainer.resume, cfg.trainer.run_dir
-    if resume not in ("", "auto"):
-        ckpt = Path(resume)
-        return Path(run_dir) if run_dir else ckpt.parent, ckpt
-    if not run_dir:
-        if resume == "auto":  # the newest run of this algorithm that has a checkpoint
-            runs = sorted(Path("runs").glob(f"{cfg.algo.name}-*"), key=lambda p: p.stat().st_mtime)
-            for candidate in reversed(runs):
-                if latest_checkpoint(candidate) is not None:
-                    return candidate, latest_checkpoint(candidate)
-        run_dir = f"runs/{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(run_dir)
-    return run_dir, (latest_checkpoint(run_dir) if resume == "auto" else None)
-
-
-def resolve_model(cfg: TrainConfig) -> str:
-    if cfg.model.path:
-        if not Path(cfg.model.path).is_dir():
-            raise ValueError(f"model.path = {cfg.model.path!r} is not a model directory")
-        return cfg.model.path
-    from treepo_ray.data.pretrain import base_model_config, prepare_base_model
-
-    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed, cfg=base_model_config(cfg.data.name)))
 
 
 @dataclass
@@ -83,65 +64,119 @@ class Job:
 
 def set_up(cfg: TrainConfig) -> Job:
     """The model (the tiny base model is built first, before Ray: it uses every core), its tokenizer, the task's
-    prompts, and Ray (a local one unless the config names a cluster)."""
+    prompts, and Ray (a local one unless the config names a cluster). A mistake in the inputs is a UserError before
+    anything slow starts."""
     from transformers import AutoTokenizer
 
-    from treepo_ray.data.datasets import load_records
-
-    if abs(cfg.learner.temperature - cfg.rollout.temperature) > 1e-9:
-        raise ValueError(f"learner.temperature = {cfg.learner.temperature} but rollout.temperature = "
-                         f"{cfg.rollout.temperature}; the learner's log-probs must use the sampling temperature")
+    check_inputs(cfg)
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_set, test_set = load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, cfg=cfg.data.prompt)
+    train_set, test_set = load_prompts(cfg, model_path, tokenizer)
     init_ray(cfg)
     return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])
 
 
-def ray_gauges():
-    """A RunLogger sink exporting each metric as a ray.util.metrics Gauge (visible on the Ray dashboard)."""
+METRIC_TAGS = ("run", "algorithm")
+"""Tags of every Ray metric, so that runs sharing a cluster (`cluster/submit.sh all`) stay separate series."""
+
+
+def gauge_name(key: str) -> str:
+    """The Ray metric of a metric key: `treepo_` + the key with every character outside [a-zA-Z0-9_] as `_`
+    (Prometheus names; Ray's exporter adds its own `ray_` prefix: critic/score/mean -> ray_treepo_critic_score_mean)."""
+    return "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def ray_gauges(run: str, algorithm: str):
+    """A RunLogger sink exporting each metric as a ray.util.metrics Gauge tagged with the run and the algorithm."""
     from ray.util.metrics import Gauge
 
     gauges: dict = {}
+    tags = {"run": run, "algorithm": algorithm}
 
-    def sink(values: dict) -> None:
+    def sink(step: int, values: dict) -> None:
         for key, v in values.items():
-            name = "treepo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)  # Prometheus names: [a-zA-Z_][a-zA-Z0-9_]*
+            name = gauge_name(key)
             if name not in gauges:
-                gauges[name] = Gauge(name, description=key)
+                gauges[name] = Gauge(name, description=key, tag_keys=METRIC_TAGS)
+                gauges[name].set_default_tags(tags)
             gauges[name].set(v)
 
     return sink
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary."""
+def _sees(_actor, location: str) -> tuple[bool, str]:
+    import ray
+
+    return storage.exists(location), ray.util.get_node_ip_address()
+
+
+def check_storage_shared(run_dir: str, actors: list, timeout_s: float) -> None:
+    """Stop at once, saying why, when the run storage is not one place for every node: the driver writes a file into
+    the run directory and every actor given (the learner ranks, which write the checkpoints) must see it. A local
+    path that is not a shared mount fails here on a multi-node cluster, instead of a lost learner later restarting
+    from the base weights because its checkpoints are on another node's disk."""
+    from treepo_ray.runtime.liveness import get
+
+    probe = storage.join(run_dir, f".storage-probe-{os.getpid()}")
+    storage.write_text(probe, "")
+    try:
+        seen = get([a.__ray_call__.remote(_sees, probe) for a in actors], timeout_s, "checking the run storage")
+    finally:
+        storage.delete(probe)
+    blind = [f"learner rank {i} (node {node})" for i, (ok, node) in enumerate(seen) if not ok]
+    if blind:
+        raise RuntimeError(f"the run storage {run_dir} is not reachable from {', '.join(blind)}: every node must see "
+                           "trainer.storage_path at the same path (a shared mount: cluster/README.md) or use an "
+                           "s3:// or gs:// URI")
+
+
+def run(cfg: TrainConfig, observe=None) -> dict:
+    """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary. `observe(batch,
+    metrics)`, if given, sees every trained step (the chaos benchmark compares runs with it)."""
     started = time.time()
+    from treepo_ray.runtime.pipeline import Pipeline
+
+    run_dir, resume_from = resolve_run(cfg)
+    with contextlib.ExitStack() as cleanup:
+        # One run per run directory: a second one is refused here, before any work, naming the holder.
+        lock = RunLock(run_dir, storage.name_of(run_dir), cfg.trainer.lock_stale_s).acquire()
+        cleanup.callback(lock.release)
+        job = set_up(cfg)
+        pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+        cleanup.callback(pipe.shutdown)
+        check_storage_shared(run_dir, pipe.learner.ranks, cfg.runtime.deadlines.call_s)
+        return _train(cfg, job, pipe, run_dir, resume_from, lock, observe, started)
+
+
+def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | None, lock: RunLock, observe,
+           started: float) -> dict:
     from tqdm import tqdm
 
     from treepo_ray.job.logs import RunLogger
-    from treepo_ray.learner import checkpoint_dir, prune_checkpoints
-    from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.recovery import save_checkpoint_or_report, train_with_recovery
+    from treepo_ray.learner import checkpoint_dir
+    from treepo_ray.runtime.recovery import resume_point, save_checkpoint_or_report, train_with_recovery
 
-    job = set_up(cfg)
-    run_dir, resume_from = resolve_run_dir(cfg)
     test_set = job.test_set
     tr = cfg.trainer
     eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
                      samples=tr.eval_samples, temperature=tr.eval_temperature)
     eval_method = (f"pass@1, mean of {tr.eval_samples} samples per problem at temperature {tr.eval_temperature}"
                    if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
-
-    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
-    state = TrainerState(seed=tr.seed)
+    record = RunRecord.load_or_create(run_dir)
+    logs = LogMirror(run_dir, cfg.model.cache_dir)  # the logger's folder (a local copy when run_dir is a URI)
+    state, queued, position = TrainerState(seed=tr.seed), [], 0
     if resume_from is not None:
-        state = TrainerState.from_dict(pipe.learner.load_checkpoint(str(resume_from)))
-        print(f"resuming {run_dir} from {resume_from.name}: step {state.step}, data position {state.data_position}")
+        logs.download()
+        state = TrainerState.from_dict(pipe.learner.load_checkpoint(resume_from))
+        queued, position = resume_point(pipe, storage.parent_of(resume_from), state)  # its pending file is beside it
+        waiting = f", then the {len(queued)} batches grown before it stopped" if queued else ""
+        print(f"resuming {run_dir} from {storage.name_of(resume_from)}: step {state.step}, data position "
+              f"{state.data_position}{waiting}")
     start = state.step
-    logger = RunLogger(run_dir, cfg.log, config_io.to_dict(cfg), name=run_dir.name, resume_step=start,
-                       sinks=[ray_gauges()] if cfg.log.ray_metrics else [])
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False))
+    logger = RunLogger(logs.local, cfg.log, config_io.to_dict(cfg), name=record.name, resume_step=start,
+                       sinks=[ray_gauges(record.name, cfg.algo.name)] if cfg.log.ray_metrics else [],
+                       run_id=record.wandb_id)
+    write_config(run_dir, config_io.to_dict(cfg), resume_from, start)
     if start:  # the engines were built from the base model; bring them to the checkpoint's weights
         pipe.learner.publish(start)
         pipe.sync_weights(start)
@@ -152,7 +187,7 @@ def run(cfg: TrainConfig) -> dict:
                   f"on {len(test_set)} problems ({eval_method})")
             logger.log(0, state.base_eval)
 
-    stream = PromptStream(job.train_set, tr.seed, cfg.data.shuffle, position=state.data_position)
+    stream = PromptStream(job.train_set, tr.seed, cfg.data.shuffle, position=position)
     end = tr.steps if not tr.stop_after else min(tr.steps, start + tr.stop_after)
     bar = tqdm(total=tr.steps, initial=start, desc=f"{cfg.algo.name} train", unit="step", dynamic_ncols=True)
     pipe.eval_set, pipe.eval_args = test_set, eval_args
@@ -164,11 +199,17 @@ def run(cfg: TrainConfig) -> dict:
     def save(step: int, data_position: int) -> None:
         state.step, state.data_position = step, data_position
         state.elapsed_s = elapsed0 + time.time() - loop_start
+        # Batches already grown for the next steps are saved with the checkpoint: a resumed run trains them as they
+        # were grown instead of growing them again with newer weights. The file is written before the checkpoint
+        # that names it (a checkpoint that is not written leaves it behind, for prune_run).
+        waiting = pipe.queued_batches()
+        state.pending = save_pending(run_dir, step, [b.to_record() for b in waiting]) if waiting else None
         error = save_checkpoint_or_report(pipe.learner, checkpoint_dir(run_dir, step), state.to_dict())
         if error:  # e.g. a full disk: the previous checkpoint is intact, training goes on (counted in fault/*)
             pipe.pool.registry.record.remote("checkpoint_errors", error)
             return
-        prune_checkpoints(run_dir, tr.keep_checkpoints)
+        prune_run(run_dir, tr.keep_checkpoints)
+        logs.upload()
 
     def on_restart(restored: TrainerState, error: BaseException, redone: int) -> None:
         # trajectories and data position as of the checkpoint the learner restarts from
@@ -179,7 +220,11 @@ def run(cfg: TrainConfig) -> dict:
         bar.refresh()
 
     def on_step(batch, metrics: dict) -> bool:
+        if lock.lost:  # another run took the run directory over (this one looked dead): stop before writing more
+            raise RuntimeError(lock.lost)
         step = batch.step + 1
+        if observe is not None:
+            observe(batch, metrics)
         for key, value in metrics.items():
             if key.startswith("fault/"):
                 faults[key] = faults.get(key, 0.0) + value
@@ -190,20 +235,23 @@ def run(cfg: TrainConfig) -> dict:
         if cfg.log.trees_per_step:
             logger.save_trees(step, batch.trees)
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics.get('rollout/reward', float('nan')):.3f}",
+        bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
                         stale=int(metrics["perf/staleness"]))
         if line:
             bar.write(line)
         if step == end or (tr.save_every and step % tr.save_every == 0):
             save(step, batch.data_position)
-        return True
+        return step < end
 
     try:
-        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (recovery.py).
-        done = train_with_recovery(pipe, start, end, stream, on_step, run_dir, on_restart,
+        # A lost learner is rebuilt from the newest checkpoint and training goes on from there (recovery.py). The
+        # producer runs ahead as far as trainer.steps even when stop_after ends this invocation earlier, so that
+        # the last checkpoint keeps the batches grown for the steps after it, as an interruption would.
+        done = train_with_recovery(pipe, start, tr.steps, stream, on_step, run_dir, on_restart, queued=queued,
                                    trees_per_step=cfg.log.trees_per_step, eval_every=tr.eval_every)
     except BaseException:
         logger.close()  # W&B run and the curve of what was trained, then the error
+        logs.upload()
         raise
     finally:
         bar.close()
@@ -212,12 +260,13 @@ def run(cfg: TrainConfig) -> dict:
             faults[key] = faults.get(key, 0.0) + value
     loop_s = time.time() - loop_start
     completed = done >= tr.steps
-    summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": str(run_dir),
+    summary = {"algorithm": cfg.algo.name, "steps": done, "completed": completed, "run_dir": run_dir,
                "max_staleness": cfg.runtime.max_staleness, "wall_time_s": time.time() - started,
                "train_time_s": elapsed0 + loop_s,
                "trajectories": state.trajectories,
                "eval_method": eval_method, "eval_problems": len(test_set),
-               "faults": faults, "tree_counters": counters, "pool_size": pipe.pool.size}
+               "faults": faults, "tree_counters": counters, "pool_size": pipe.pool.size,
+               "wandb_run_id": record.wandb_id}
     summary["trajectories_per_s"] = state.trajectories / max(summary["train_time_s"], 1e-9)
     base = state.base_eval.get("eval/accuracy")
     summary["base_accuracy"] = base
@@ -230,7 +279,8 @@ def run(cfg: TrainConfig) -> dict:
     logger.summary({f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
     curve = logger.close()
     summary["training_curve"] = str(curve) if curve else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (logs.local / "summary.json").write_text(json.dumps(summary, indent=2))
+    logs.upload()
     print(format_summary(summary))
     return summary
 
@@ -254,18 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         print("usage: treepo-ray train [config.yaml] [key.sub=value ...]   (default config: jobs/configs/cpu.yaml)")
         return 0
-    path: Path = DEFAULT_CONFIG
-    if argv and "=" not in argv[0]:
-        path, argv = Path(argv[0]), argv[1:]
-    if not path.is_file():
-        print(f"treepo-ray train: config file {path} does not exist", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(path, argv)
-    except ValueError as err:
-        print(f"treepo-ray train: {err}", file=sys.stderr)
-        return 2
-    summary = run(cfg)
+    cfg = parse_config(argv, "train")
+    print_config(cfg)
+    summary = run(cfg)  # a run directory held by a live run, or of another config, is a UserError (RunDirError)
     return 0 if summary["completed"] else 1
 
 

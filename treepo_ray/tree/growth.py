@@ -42,7 +42,8 @@ class Segment:
     token_ids: list[int]
     """Generated token ids (an EOS, if any, is the last one)."""
     logprobs: list[float]
-    """Log-prob of each token under the sampling model at temperature 1 (before top-p/top-k)."""
+    """Log-prob of each token under the sampling model at the sampling temperature (before top-p/top-k; 1 when
+    greedy): the behaviour log-probs the learner's off-policy correction uses."""
     finish_reason: str
     """'eos' (ended with the EOS token) or 'length' (reached max_new_tokens)."""
     cache_key: str | None = None

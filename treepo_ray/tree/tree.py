@@ -117,6 +117,18 @@ class Tree:
                 sums[self.parent[i]] += self.reward[i]
                 counts[self.parent[i]] += 1
 
+    def keep_trajectories(self, keep: list[int]) -> "Tree":
+        """A copy with only the trajectories at positions `keep` and the nodes on their paths (renumbered in their
+        old order): the tree as if the others had never been sampled (a trajectory that could not be verified)."""
+        ends = [self.trajectories[i] for i in keep]
+        needed = sorted({0}.union(*(self.path(e) for e in ends)))
+        new = {old: i for i, old in enumerate(needed)}
+        return Tree(prompt_ids=list(self.prompt_ids), query_id=self.query_id,
+                    parent=[-1] + [new[self.parent[n]] for n in needed[1:]], depth=[self.depth[n] for n in needed],
+                    tokens=[list(self.tokens[n]) for n in needed], logprobs=[list(self.logprobs[n]) for n in needed],
+                    finish=[self.finish[n] for n in needed], reward=[self.reward[n] for n in needed],
+                    trajectories=[new[e] for e in ends], meta=dict(self.meta))
+
     def to_dict(self) -> dict:
         return {
             "query_id": self.query_id,

@@ -3,7 +3,8 @@
 Temperature (0 = greedy), then top-k, then top-p on the top-k-renormalised distribution; the token is drawn by
 inverse CDF with one uniform number per token that is a hash of (child seed, token index), so a child's tokens
 depend only on its own seed and logits, never on what else is in the batch. Reported log-probs are of the sampled
-token under the temperature-1 model distribution (before temperature, top-k and top-p).
+token under the model's distribution at the row's sampling temperature (before top-k and top-p; temperature 1 for
+greedy rows): what the learner computes with learner.temperature, so they serve as behaviour log-probs.
 """
 
 from __future__ import annotations
@@ -37,20 +38,20 @@ def sample(
     top_p: torch.Tensor,
     u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [N, V]; return (tokens, their temperature-1 log-probs).
+    """Draw one token per row of `logits` [N, V]; return (tokens, their log-probs at the row's temperature).
 
     Per row: temperature 0 is greedy; otherwise softmax(logits / temperature), restricted to the top_k most likely
     tokens (0 = all), then to the smallest set of them whose mass reaches top_p, renormalised; the token is the
     inverse CDF at `u` (uniform in [0, 1)).
     """
     logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    z = logits / t[:, None]
+    logp = torch.log_softmax(z, dim=-1)
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
         tokens = greedy
     else:
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        z = logits / t[:, None]
         V = z.shape[-1]
         if bool((top_k > 0).any()) or bool((top_p < 1).any()):
             z, order = z.sort(dim=-1, descending=True)

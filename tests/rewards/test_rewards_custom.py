@@ -1,0 +1,79 @@
+"""A user's reward function (verl's custom_reward_function) in bounded worker processes."""
+
+import textwrap
+import time
+
+import pytest
+
+from treepo_ray.config import UserError
+from treepo_ray.rewards import BatchScorer, RewardFunctionConfig, check_reward_function
+
+REWARD_FILE = textwrap.dedent('''
+    import json, time
+    from treepo_ray.rewards import default_compute_score
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+        if data_source == "mine/float":
+            return float(solution_str.strip() == ground_truth["answer"]) + bonus
+        if data_source == "mine/extra":
+            return {"score": float(extra_info["index"]), "pred": json.dumps(extra_info, sort_keys=True)}
+        if data_source == "mine/raise":
+            raise KeyError("no such thing")
+        if data_source == "mine/hang":
+            time.sleep(60)
+        if data_source == "mine/memory":
+            return len(bytearray(1 << 34))
+        if data_source == "mine/bad":
+            return "yes"
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+''')
+
+
+@pytest.fixture()
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    return path
+
+
+def test_float_and_dict_results_extra_info_and_kwargs(reward_file):
+    cfg = RewardFunctionConfig(path=str(reward_file), reward_kwargs={"bonus": 0.5})
+    check_reward_function(cfg)
+    items = [("mine/float", " 42 ", {"answer": "42"}), ("mine/float", "41", {"answer": "42"}),
+             ("mine/extra", "x", "1", {"index": 7, "split": "train"}),
+             ("openai/gsm8k", "#### 72", "72", {}), ("lighteval/MATH", r"\boxed{\frac12}", "0.5", {})]
+    with BatchScorer(timeout_s=5.0, reward_function=cfg) as scorer:
+        got = scorer.score_details(items)
+    assert [g["score"] for g in got] == [1.5, 0.5, 7.0, 1.0, 1.0]
+    assert [g["acc"] for g in got] == [1.0, 0.0, 1.0, 1.0, 1.0]  # without 'acc': score >= correct_score
+    assert got[2]["pred"] == '{"index": 7, "split": "train"}'  # extra_info reached the function intact
+    assert got[3]["pred"] == "72"
+
+
+def test_failures_score_wrong_within_the_limits_and_the_workers_go_on(reward_file, capfd):
+    cfg = RewardFunctionConfig(path=str(reward_file))
+    items = [("mine/raise", "x", "1"), ("mine/hang", "x", "1"), ("mine/memory", "x", "1"), ("mine/bad", "x", "1"),
+             ("openai/gsm8k", "#### 3", "3")]
+    with BatchScorer(timeout_s=2.0, reward_function=cfg) as scorer:
+        start = time.monotonic()
+        got = scorer.score_details(items)
+        assert time.monotonic() - start < 8.0  # the hang is killed at its deadline
+        assert [g["score"] for g in got] == [0.0, 0.0, 0.0, 0.0, 1.0]
+        assert scorer.function_errors == 4
+        assert "KeyError: 'no such thing' (my_reward.py:" in got[0]["error"]
+        assert "timed out" in got[1]["error"]
+        assert "MemoryError" in got[2]["error"]
+        assert "returned str as the score" in got[3]["error"]
+        assert scorer.score_batch([("mine/float", "1", {"answer": "1"})]) == [1.0]  # replaced workers serve on
+    assert "KeyError: 'no such thing'" in capfd.readouterr().err  # each distinct failure is printed once
+
+
+def test_wrong_path_or_name_is_one_clear_error(reward_file, tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        check_reward_function(RewardFunctionConfig(path=str(tmp_path / "missing.py")))
+    with pytest.raises(UserError, match="defines no function custom_reward_function.name = 'score_it'"):
+        check_reward_function(RewardFunctionConfig(path=str(reward_file), name="score_it"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(UserError, match="importing it fails: ModuleNotFoundError"):
+        check_reward_function(RewardFunctionConfig(path=str(broken)))

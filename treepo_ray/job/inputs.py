@@ -1,0 +1,51 @@
+"""The job's inputs as the user named them: the model, the prompts and the reward function, checked before anything
+slow starts (so that a mistake is one UserError line, not a traceback after the base model and Ray are up) and then
+loaded. Shared by `treepo-ray train` (runtime/train.py set_up) and `treepo-ray eval` (job/evaluate.py)."""
+
+from __future__ import annotations
+
+from treepo_ray.config import UserError
+from treepo_ray.data.datasets import SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, load_records
+from treepo_ray.data.prompts import Prompt
+from treepo_ray.engines.hub import model_context_length, resolve_model_path
+from treepo_ray.job.config import TrainConfig
+from treepo_ray.job.logs import check_tensorboard
+from treepo_ray.rewards.custom import check_reward_function
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """What can be checked in a moment: the temperatures agree, the custom reward function imports, the data files
+    and the model exist. Each failure is one UserError naming the key."""
+    if abs(cfg.learner.temperature - cfg.rollout.temperature) > 1e-9:
+        raise UserError(f"learner.temperature = {cfg.learner.temperature} but rollout.temperature = "
+                        f"{cfg.rollout.temperature}; the learner's log-probs must use the sampling temperature")
+    if cfg.custom_reward_function.enabled:
+        check_reward_function(cfg.custom_reward_function)
+    if cfg.data.train_files or cfg.data.name != "synthetic":
+        train, test = cfg.data.files(cfg.model.cache_dir, (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS))
+        for key, files in (("data.train_files", train), ("data.val_files", test)):
+            for f in files:
+                if not f.is_file():
+                    raise UserError(f"{key}: {str(f)!r} does not exist")
+    if cfg.model.path:
+        resolve_model_path(cfg.model.path)
+    if cfg.log.tensorboard:
+        check_tensorboard()
+
+
+def resolve_model(cfg: TrainConfig) -> str:
+    """The policy's local directory: model.path (a directory, `~` expanded, or a hub id in the local Hugging Face
+    cache), or the tiny base model (built and cached on first use)."""
+    if cfg.model.path:
+        return resolve_model_path(cfg.model.path)
+    from treepo_ray.data.pretrain import base_model_config, prepare_base_model
+
+    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed, cfg=base_model_config(cfg.data.name)))
+
+
+def load_prompts(cfg: TrainConfig, model_path: str, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """The training and held-out prompts, each checked against the model's context (less the response budget)
+    and, without a custom reward function, against the built-in scorers."""
+    budget = PromptBudget(model_context_length(model_path), cfg.sampler_config.response_limit())
+    return load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, budget=budget,
+                        custom_reward=cfg.custom_reward_function.enabled)
