@@ -15,7 +15,7 @@ import numpy as np
 from treepo_ray.algo.advantages import dapo_keep_group, grpo_advantages, treepo_scores, whiten
 from treepo_ray.algo.treerpo import treerpo_advantages
 from treepo_ray.tree.growth import growth_counters
-from treepo_ray.tree.tree import Tree
+from treepo_ray.tree.tree import FINISH_REASONS, Tree
 
 ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 

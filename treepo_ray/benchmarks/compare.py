@@ -89,14 +89,14 @@ def train_run(job, cfg: TrainConfig, base_accuracy: float, budget_s: float | Non
 
     def on_step(batch, m: dict) -> bool:
         if "eval/accuracy" in m:  # the producer evaluated version v before growing this batch
-            clock["eval_s"] += m.get("time/eval", 0.0)
+            clock["eval_s"] += m.get("timing_s/testing", 0.0)
             curve.append([*published[int(m["eval/version"])], m["eval/accuracy"]])
         clock["tokens"] += m.get("rollout/sampled_tokens", 0.0)
         wall = time.perf_counter() - clock["start"] - clock["eval_s"]
         published[batch.step + 1] = (wall, clock["tokens"])
         rows.append(m)
         print(f"  {cfg.algo.name} seed {tr.seed} step {batch.step + 1}: {wall:.0f}s, {clock['tokens']:.0f} tokens, "
-              f"reward {m.get('rollout/reward', math.nan):.3f}"
+              f"reward {m.get('critic/score/mean', math.nan):.3f}"
               + (f", held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""), flush=True)
         if budget_tokens is not None:
             return clock["tokens"] < budget_tokens
@@ -116,12 +116,12 @@ def train_run(job, cfg: TrainConfig, base_accuracy: float, budget_s: float | Non
     out = {"seed": tr.seed, "curve": [[round(w, 2), t, a] for w, t, a in curve], "final_accuracy": final,
            "wall_s": wall_s, "sampled_tokens": tokens, "steps": done,
            "tree_counters": {k.split("/", 1)[1]: total(k) for k in rows[0] if k.startswith("growth/")} if rows else {},
-           "time": {"rollout_s": total("time/rollout"), "learner_s": total("time/train"),
-                    "learner_waiting_s": total("time/wait"), "weight_sync_s": total("time/weight_sync"),
+           "time": {"rollout_s": total("timing_s/gen"), "learner_s": total("timing_s/update_actor"),
+                    "learner_waiting_s": total("timing_s/wait"), "weight_sync_s": total("timing_s/update_weights"),
                     "eval_s": clock["eval_s"]},
            "trajectories": total("rollout/trajectories"),
            "shared_prefix_share": total("tree/shared_prefix_share") / max(len(rows), 1),
-           "rollout_reward": [round(r.get("rollout/reward", math.nan), 4) for r in rows]}
+           "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows]}
     if cfg.algo.name == "catpo":
         out["healing"] = {"attempts": total("catpo/heal_attempts"), "healed": total("catpo/healed"),
                           "errors": total("catpo/heal_errors"), "dead_wrong": total("catpo/dead_wrong"),

@@ -344,7 +344,7 @@ def _split_files(name: str) -> tuple[list[Path], list[Path]]:
         return train, test
     if path.is_file():
         return [path], []
-    raise UserError(f"data.name = {name!r}: not a synthetic task ('synthetic', 'synthetic_addition'), a dataset "
+    raise UserError(f"data.name = {name!r}: not 'synthetic', 'synthetic_addition' (the built-in tasks), a dataset "
                     "file, a folder or 'train,test' files")
 
 

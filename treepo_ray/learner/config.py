@@ -19,7 +19,7 @@ class LearnerConfig:
     """Optimiser, batching, parallelism and loss of the learner."""
 
     lr: float = 1e-6
-    """AdamW learning rate (1e-6 as in the papers; the tiny CPU demo uses about 2e-4)."""
+    """AdamW learning rate (1e-6 as in the papers; the tiny CPU demo uses 5e-5)."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear learning-rate warmup, then constant (learner/schedule.py; 0 = none)."""
     weight_decay: float = 0.0
