@@ -61,7 +61,7 @@ def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
             f"model.path={tiny}", f"model.cache_dir={cache}", "trainer.eval_size=4", "trainer.prompts_per_step=2",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
-            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # 2 x 8 tokens: fits the tiny context
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # 2 x 8 tokens: in the context
             "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "algo.dynamic_sampling=false", "log.wandb=false"]
     assert main(args) == 0

@@ -76,10 +76,11 @@ def test_pretrain_command(tmp_path, capsys):
 def test_eval_command_metrics_and_sweep(base_model, tmp_path):
     cache, path = base_model
     out = tmp_path / "ev"
-    argv = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=5", "trainer.eval_samples=4",
+    argv = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=5",
+            "trainer.eval_samples=4",
             "eval.k=[1,2,4,8]", "trainer.eval_max_new_tokens=24", "rollout.treepo.segment_len=8",
-            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0", "rollout.sequential.max_response_len=0",
-            "rollout.sequential.max_total_len=0", f"eval.out={out}",
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0", f"eval.out={out}",
             "eval.sweep_divergence=[1,2]", "eval.sweep_rollouts=[1,2,4]"]
     assert eval_main(argv) == 0
     report = json.loads((out / "eval.json").read_text())
@@ -99,8 +100,8 @@ def test_eval_tree_sampler_and_greedy(base_model, tmp_path):
     cache, path = base_model
     common = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=3",
               "trainer.eval_max_new_tokens=16", "rollout.treepo.segment_len=8",
-            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0", "rollout.sequential.max_response_len=0",
-            "rollout.sequential.max_total_len=0"]
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0"]
     assert eval_main(common + ["eval.sampler=treepo", "trainer.eval_samples=4", "eval.divergence=2",
                                f"eval.out={tmp_path / 't'}"]) == 0
     assert json.loads((tmp_path / "t" / "eval.json").read_text())["settings"]["sampler"] == "treepo"

@@ -69,9 +69,9 @@ class PretrainConfig:
     batch_size: int = 28
     """Training texts per step (fresh problems every step)."""
     micro_batches: int = 7
-    """Each step's texts, sorted by length, go through the model in this many batches (at most one per text; less
-    padding; the step's loss is the same token mean). Measured on a shared machine, 60 steps of 28 texts: 47 s in 1 batch, 34 s in 2,
-    27 s in 4, 25 s in 7."""
+    """Each step's texts, sorted by length, go through the model in this many batches (at most one per text;
+    less padding; the step's loss is the same token mean). Measured on a shared machine, 60 steps of 28 texts:
+    47 s in 1 batch, 34 s in 2, 27 s in 4, 25 s in 7."""
     max_len: int = 288
     """A text that never ends (rambling, repeating) is cut to this many tokens after the question, without EOS:
     a little over the 256-token responses the default job samples."""
