@@ -25,7 +25,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "treep
 # verl's names of the figures both projects have (verl: trainer/ppo/metric_utils.py), and the tree figures.
 VERL_METRICS = {"critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
                 "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
-                "timing_s/gen", "timing_s/update_actor", "val-core/synthetic_addition/acc/mean@4"}
+                "timing_s/gen", "timing_s/update_actor", "val-core/synthetic_chain/acc/mean@4"}
 TREE_METRICS = {"tree/shared_prefix_share", "tree/depth_max", "tree/nodes", "tree/forward_per_unique"}
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "run_report.ipynb"
