@@ -14,6 +14,8 @@ COMMANDS = {
                                               "another benchmark (stream, learner, chaos, overlap, catpo)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
     "viz": ("treepo_ray.job.viz", "render a run's saved trees as a self-contained HTML page"),
+    "compare": ("treepo_ray.benchmarks.compare", "algorithms side by side: held-out accuracy against wall time and "
+                                                 "sampled tokens, same budget each (default grpo, dapo, treepo)"),
 }
 BENCHMARKS = {
     "engine": "treepo_ray.benchmarks.engine",

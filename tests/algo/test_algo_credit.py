@@ -93,6 +93,9 @@ def test_tree_metrics_shared_prefix_share_and_stops():
     assert m["rollout/accuracy"] == pytest.approx(2 / 6)
     assert m["tree/stop_eos"] == 4 and m["tree/depth_max"] == 2
     assert m["response_length/mean"] == pytest.approx(22 / 6)
+    # growth counters are this batch's totals (a tree without growth statistics counts nothing)
+    assert m["growth/stop_eos"] == 4 and m["growth/branches"] == 3 and m["growth/fallbacks"] == 1
+    assert m["growth/budget_transfers"] == 0 and m["growth/stop_boxed"] == 0
     assert tree_metrics([]) == {}
 
 

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow  # builds and trains models
 
 # A few steps of a very small model: tests the recipe's plumbing, not its accuracy (the real run takes minutes).
 SMALL = PretrainConfig(
-    task=SyntheticTaskConfig(digits=2, noise=0.5),
+    task="synthetic_addition",
+    addition=SyntheticTaskConfig(digits=2, noise=0.5),
+    max_len=64,
     model=TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                           max_positions=128),
     steps=6,
@@ -66,7 +68,7 @@ def test_pretrain_command(tmp_path, capsys):
             "model.num_heads=2", "model.num_kv_heads=1"]
     assert pretrain_main(args) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["model"] == str(tmp_path / "m") and 0.0 <= line["pass@1"] <= 1.0
+    assert line["model"] == str(tmp_path / "m") and 0.0 <= line["pass@1"] <= 1.0  # the default task: running sums
     with pytest.raises(ValueError, match="unknown key"):
         pretrain_main(["--out", str(tmp_path / "x"), "stepz=2"])
 
@@ -74,8 +76,11 @@ def test_pretrain_command(tmp_path, capsys):
 def test_eval_command_metrics_and_sweep(base_model, tmp_path):
     cache, path = base_model
     out = tmp_path / "ev"
-    argv = [f"model.path={path}", f"model.cache_dir={cache}", "trainer.eval_size=5", "trainer.eval_samples=4",
-            "eval.k=[1,2,4,8]", "trainer.eval_max_new_tokens=24", "rollout.treepo.segment_len=8", f"eval.out={out}",
+    argv = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=5",
+            "trainer.eval_samples=4",
+            "eval.k=[1,2,4,8]", "trainer.eval_max_new_tokens=24", "rollout.treepo.segment_len=8",
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0", f"eval.out={out}",
             "eval.sweep_divergence=[1,2]", "eval.sweep_rollouts=[1,2,4]"]
     assert eval_main(argv) == 0
     report = json.loads((out / "eval.json").read_text())
@@ -93,8 +98,10 @@ def test_eval_command_metrics_and_sweep(base_model, tmp_path):
 
 def test_eval_tree_sampler_and_greedy(base_model, tmp_path):
     cache, path = base_model
-    common = [f"model.path={path}", f"model.cache_dir={cache}", "trainer.eval_size=3",
-              "trainer.eval_max_new_tokens=16", "rollout.treepo.segment_len=8"]
+    common = [f"model.path={path}", f"model.cache_dir={cache}", "data.name=synthetic_addition", "trainer.eval_size=3",
+              "trainer.eval_max_new_tokens=16", "rollout.treepo.segment_len=8",
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0"]
     assert eval_main(common + ["eval.sampler=treepo", "trainer.eval_samples=4", "eval.divergence=2",
                                f"eval.out={tmp_path / 't'}"]) == 0
     assert json.loads((tmp_path / "t" / "eval.json").read_text())["settings"]["sampler"] == "treepo"

@@ -118,11 +118,43 @@ def test_healer_needs_the_step_length():
 
 
 def test_prompt_file_must_hold_both_templates(tmp_path):
-    assert {"critique", "refine"} <= set(load_prompts())
+    sets = load_prompts()
+    assert {"critique", "refine"} <= set(sets["default"]) and {"critique", "refine"} <= set(sets["synthetic_chain"])
+    single = tmp_path / "one.yaml"
+    single.write_text("critique: c\nrefine: r\n")
+    assert load_prompts(str(single)) == {"default": {"critique": "c", "refine": "r"}}  # one set serves every source
     bad = tmp_path / "p.yaml"
     bad.write_text("critique: hi\n")
     with pytest.raises(ValueError, match="refine"):
         load_prompts(str(bad))
+
+
+def test_each_data_source_heals_in_its_own_format():
+    # The running-sum task's format, as its pretraining text writes it: "<partial>\n? <critique>\n<question>
+    # <corrected solution>"; the critique is cut at its first newline (the model goes on writing after it).
+    from treepo_ray.data.chain import CHECK, CRITIQUE_CUE, REFINE_CUE
+
+    tok = build_tokenizer()
+
+    def dead_tree(source):
+        t = Tree(prompt_ids=tok.encode("Q: 1+1\n", add_special_tokens=False), query_id="q",
+                 meta={"data_source": source})
+        t.add_node(0, tok.encode("=0001\n1+", add_special_tokens=False), [-1.0] * 8)
+        t.trajectories = [1]
+        t.set_trajectory_rewards([0.0])
+        return t
+
+    gen = ScriptedGenerator(tok, "step 1 is unfinished\nQ: 1+1\n=0001", ["=0001\n\\boxed{2}"])
+    healer = CritiqueHealer(tok, gen, lambda p, i: [-0.1] * len(i), lambda tr, n: 1.0,
+                            HealingConfig(num_refinements=1, step_len=32))
+    res = healer.heal(dead_tree("synthetic_chain"))
+    crit, refine = gen.requests
+    assert res.critique == "step 1 is unfinished"
+    assert tok.decode(crit.prefix_ids) == CHECK + "Q: 1+1\n" + CRITIQUE_CUE  # the root failed: an empty partial
+    assert tok.decode(refine.prefix_ids) == (CHECK + "Q: 1+1\n" + CRITIQUE_CUE + "step 1 is unfinished" + REFINE_CUE
+                                             + "Q: 1+1\n")
+    healer.heal(dead_tree("math"))
+    assert "Critique:" in tok.decode(gen.requests[2].prefix_ids)  # other sources: the default set
 
 
 def test_tree_informativeness_rises_when_healing_adds_a_correct_branch():

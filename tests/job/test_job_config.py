@@ -27,6 +27,45 @@ def test_treepo_paper_settings():
     assert cfg.algo.dynamic_sampling and cfg.algo.oversample == 3.0 and cfg.algo.max_extra_rounds == 2
     # Free-form mappings are taken whole from the file (not merged key by key into an empty default).
     assert cfg.runtime.engine_resources == {"generator_gpu": 1} and cfg.model.engine_kwargs["dtype"] == "bfloat16"
+    # The official script where the paper is silent: 16 updates per step, weight decay, warmup, overlong buffer,
+    # synchronous training, random fallback, random initial divergence 2..8, prompts truncated on the left.
+    lr = cfg.learner
+    assert (lr.mini_batches, lr.weight_decay, lr.lr_warmup_steps, lr.loss.dual_clip) == (16, 0.1, 10, 10.0)
+    o = cfg.algo.overlong
+    assert (o.enable, o.buffer_len, o.penalty_factor, o.max_len) == (True, 512, 1.0, 7168)
+    assert cfg.runtime.max_staleness == 0 and t.fallback_policy == "random"
+    assert (t.init_divergence_min, t.init_divergence_max) == (2, 8)
+    assert (cfg.data.prompt.max_prompt_tokens, cfg.data.prompt.overlong) == (1024, "truncate_left")
+    assert cfg.algo.treepo_root_group and not cfg.algo.treepo_subgroup_rejection
+
+
+def test_paper_configs_comment_every_value():
+    """Every value names its source: on its own line, or on the line of the section that holds it."""
+    for path in CONFIG_DIR.glob("*_paper.yaml"):
+        headers: dict[int, str] = {}  # indentation -> the latest section line at it
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            indent = len(line) - len(line.lstrip())
+            headers = {k: v for k, v in headers.items() if k < indent}
+            if line.split("#")[0].rstrip().endswith(":"):
+                headers[indent] = line
+                continue
+            assert "#" in line or any("#" in h for h in headers.values()), f"{path.name}:{i + 1}: {line.strip()}"
+
+
+def test_catpo_treerpo_grpo_paper_configs_are_like_for_like():
+    cfgs = {m: load_config(CONFIG_DIR / f"{m}_paper.yaml") for m in ("grpo", "treerpo", "catpo")}
+    for m, c in cfgs.items():
+        tr, lr = c.trainer, c.learner
+        assert (tr.eval_samples, tr.eval_temperature, tr.eval_every, tr.save_every) == (8, 0.6, 20, 20), m
+        assert (lr.loss.entropy_coef, lr.loss.kl_coef, lr.lr, lr.weight_decay) == (-0.001, 0.001, 1e-6, 0.01), m
+        assert c.data.prompt.max_prompt_tokens == 512 and c.runtime.max_staleness == 0, m
+        assert c.sampler_config.response_limit() == 1152 and c.rollout.temperature == 0.6, m
+        # PPO mini-batches of 16 prompts (Table 4)
+        assert tr.prompts_per_step / lr.mini_batches == 16, m
+    # 30 epochs of MATH's 7,500 training problems
+    assert cfgs["treerpo"].trainer.steps == 30 * (7500 // 32) and cfgs["grpo"].trainer.steps == 30 * (7500 // 128)
 
 
 def test_default_is_the_cpu_treepo_run_and_overrides_win():

@@ -14,6 +14,8 @@ def small(tiny: str, *extra: str) -> list[str]:
     """A seconds-long run: 4 prompts x 4 paths of at most 2 x 8 tokens, one optimizer step per training step."""
     return ["model.path=" + tiny, f"model.cache_dir={CACHE}", "trainer.eval_size=8",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # limits of these sizes
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
             "algo.dynamic_sampling=false",
             "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.trees_per_step=1", "log.wandb=false", *extra]
@@ -24,6 +26,8 @@ def two_engines(tiny: str, *extra: str) -> list[str]:
     replacement as soon as one dies), the learner on the other CPU."""
     return ["model.path=" + tiny, f"model.cache_dir={CACHE}", "trainer.eval_size=4",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # limits of these sizes
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false", "runtime.num_engines=2",
             "runtime.engine_cpus=0.5", "runtime.elastic.poll_s=0.2", "algo.dynamic_sampling=false", *extra]
 

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 # 4 prompts x a binary tree of depth 2 with 8-token steps; 2 grafts of a critique of at most 8 tokens.
 SMALL_CATPO = ["rollout.treerpo.n_children=2", "rollout.treerpo.max_depth=2", "rollout.treerpo.step_len=8",
                "trainer.prompts_per_step=4", "algo.catpo.healing.num_refinements=2",
-               "algo.catpo.healing.critique_max_tokens=8", "runtime.max_staleness=0", "learner.micro_batch_size=8"]
+               "algo.catpo.healing.critique_max_tokens=8", "algo.catpo.healing.step_len=0", "runtime.max_staleness=0",
+               "learner.micro_batch_size=8"]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "treep
 # verl's names of the figures both projects have (verl: trainer/ppo/metric_utils.py), and the tree figures.
 VERL_METRICS = {"critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
                 "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
-                "timing_s/gen", "timing_s/update_actor", "val-core/synthetic_addition/acc/mean@4"}
+                "timing_s/gen", "timing_s/update_actor", "val-core/synthetic_chain/acc/mean@4"}
 TREE_METRICS = {"tree/shared_prefix_share", "tree/depth_max", "tree/nodes", "tree/forward_per_unique"}
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "run_report.ipynb"
@@ -52,6 +52,7 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     assert summary["steps"] == 4 and summary["completed"] and summary["algorithm"] == "treepo"
     assert 0.0 <= summary["base_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
     assert summary["trajectories"] == 4 * 16 and summary["trajectories_per_s"] > 0
+    assert summary["tree_counters"]["branches"] > 0  # growth/* totals of the resumed invocation's steps
     assert [s for s, _ in list_checkpoints(run)] == [4]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "critic/score/mean" in r] == [1, 2, 3, 4]

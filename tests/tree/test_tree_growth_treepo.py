@@ -12,6 +12,7 @@ from treepo_ray.tree import (
     allocate_logprob,
     allocate_uniform,
     branch_budget,
+    scheduled,
 )
 
 
@@ -66,6 +67,9 @@ def test_budget_transfer_round_by_round():
     assert st["finish/eos"] == 14 and st["finish/boxed"] == 1 and st["finish/repetition"] == 1
     assert st["asks"] == 13 and st["rounds"] == 5 and st["fallbacks"] == 0 and st["surplus_dropped"] == 0
     assert st["branches"] == 11  # asks with n >= 2: the root, then 2 + 3 + 5 in rounds 1-3
+    # Rounds 2 and 3 gave the finished paths' budget to the survivors (8 > b * 3 = 6, 12 > b * 5 = 10); in
+    # round 4 the 2 survivors get only what is missing, which their own budget covers.
+    assert st["budget_transfers"] == 2 and st["random_divergence"] == 0 and st["logprob_branchings"] == 0
     assert st["max_depth_reached"] == 5 and st["trajectories"] == 16
     assert t.meta["growth"] == st
 
@@ -108,6 +112,7 @@ def test_random_initial_divergence_per_prompt():
         g = grower(cfg(init_divergence_min=2, init_divergence_max=8), seed=seed)
         (root,) = g.asks()
         assert 2 <= root.n <= 8 and root.n == g.stats()["init_divergence"]
+        assert g.stats()["random_divergence"] == 1
         assert grower(cfg(init_divergence_min=2, init_divergence_max=8), seed=seed).asks()[0].n == root.n
         values.append(root.n)
     assert len(set(values)) >= 5
@@ -147,6 +152,29 @@ def test_logprob_policy_in_the_grower(policy):
     assert first.shares == ([3, 1] if policy == "logprob_high" else [1, 3])
     # 4 paths end at depth 2; 4 are missing and none is active: fallback fills the width.
     assert len(g.tree.trajectories) == 8 and g.stats()["fallbacks"] == 1
+    assert g.stats()["logprob_branchings"] == 1  # round 1 spread by log-probs; the fallback asks from one node
+
+
+def test_scheduled_logprob_temperature():
+    c = cfg(width=8, divergence_policy="logprob_low", logprob_temperature=5.0, logprob_temperature_end=1.0)
+    assert [scheduled(c, p).logprob_temperature for p in (0.0, 0.5, 1.0, 2.0)] == [5.0, 3.0, 1.0, 1.0]
+    assert scheduled(c, 0.5).logprob_temperature_end == 0.0 and c.logprob_temperature == 5.0  # a copy
+    plain = cfg()
+    assert scheduled(plain, 0.7) is plain
+
+
+def test_context_limit_ends_long_prompts_earlier():
+    # Prompt of 2 tokens, context of 12: at most 10 response tokens, so the third segment is cut to 2 tokens
+    # and ends as max_length at depth 3; a depth limit of 3 alone would have ended 12-token paths as max_depth.
+    g = grower(cfg(width=2, init_divergence=2, max_depth=3, max_response_len=100, max_total_len=12))
+    batches = drive(g, by_round({}))
+    assert [a.max_new_tokens for b in batches for a in b] == [4, 4, 4, 2, 2]
+    assert {g.tree.finish[n] for n in g.tree.trajectories} == {"max_length"}
+    g = grower(cfg(width=2, init_divergence=2, max_depth=3, max_response_len=100, max_total_len=15))
+    drive(g, by_round({}))
+    assert {g.tree.finish[n] for n in g.tree.trajectories} == {"max_depth"}
+    with pytest.raises(ValueError, match="no room"):
+        grower(cfg(max_total_len=2))
 
 
 def test_temperature_may_change_between_rounds():

@@ -14,6 +14,7 @@ import numpy as np
 
 from treepo_ray.algo.advantages import dapo_keep_group, grpo_advantages, treepo_scores, whiten
 from treepo_ray.algo.treerpo import treerpo_advantages
+from treepo_ray.tree.growth import growth_counters
 from treepo_ray.tree.tree import FINISH_REASONS, Tree
 
 ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
@@ -50,7 +51,8 @@ def keep_tree(tree: Tree) -> bool:
 
 
 def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str, whiten_by_tokens: bool,
-                    grpo_scale: bool, treerpo_prune_range: float) -> list[list[Advantage]]:
+                    grpo_scale: bool, treerpo_prune_range: float, treepo_root_group: bool = True,
+                    treepo_subgroup_rejection: bool = False) -> list[list[Advantage]]:
     """The advantage of every trajectory of every tree (`out[t][k]`: tree t's k-th trajectory).
 
     treepo: TreePO eq. 5 numerator per prompt, then one whitening over the whole batch (weighted by tokens when
@@ -63,7 +65,9 @@ def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str,
     if algorithm == "treepo":
         scores, lengths = [], []
         for tree in trees:
-            scores.append(treepo_scores(tree.trajectory_paths(), trajectory_rewards(tree), weighting=treepo_weighting))
+            scores.append(treepo_scores(tree.trajectory_paths(), trajectory_rewards(tree), weighting=treepo_weighting,
+                                        include_root=treepo_root_group,
+                                        skip_uniform_subgroups=treepo_subgroup_rejection))
             lengths += [len(tree.response_ids(n)) for n in tree.trajectories]
         flat = [s for per_tree in scores for s in per_tree]
         if not flat:
@@ -142,6 +146,7 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_lim
         out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
     for reason in FINISH_REASONS[1:]:
         out[f"tree/stop_{reason}"] = float(sum(g.get(f"finish/{reason}", 0) for g in growth))
+    out.update(growth_counters(trees))  # growth/<mechanism>: this batch's totals (summary.json, compare)
     return out
 
 

@@ -2,7 +2,7 @@
 
     treepo-ray bench catpo [config.yaml] [--steps N] [--h1-trees M] [--json PATH] [key=value ...]
 
-Default config: jobs/configs/catpo_cpu.yaml (tiny base model, synthetic addition task, local Ray). In one
+Default config: jobs/configs/catpo_cpu.yaml (tiny base model, the running-sum task, local Ray). In one
 invocation, on the same Ray, data and base model:
 
 1. CATPO trains `steps` steps. Every step logs its trees per regime, mean F, and what healing did; summed over

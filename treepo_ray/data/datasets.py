@@ -308,16 +308,20 @@ SYNTHETIC_TEST_ROWS = 500
 
 
 def synthetic_files(cache_dir: str | Path, seed: int = 0, n_train: int = SYNTHETIC_TRAIN_ROWS,
-                    n_test: int = SYNTHETIC_TEST_ROWS) -> tuple[Path, Path]:
-    """train.jsonl and test.jsonl of the default synthetic task under `cache_dir` (written once per setting)."""
-    from treepo_ray.data.synthetic import SyntheticTaskConfig, write_splits
+                    n_test: int = SYNTHETIC_TEST_ROWS, task: str = "synthetic") -> tuple[Path, Path]:
+    """train.jsonl and test.jsonl of the synthetic task `task` (data/synthetic.py TASKS) under `cache_dir` (written
+    once per setting)."""
+    import hashlib
 
-    task = SyntheticTaskConfig()
-    out = Path(cache_dir) / f"synthetic-d{task.digits}t{task.terms}-s{seed}-{n_train}-{n_test}"
+    from treepo_ray.data.synthetic import task_config, write_splits
+
+    cfg = task_config(task)
+    tag = hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]  # the task's settings name the folder
+    out = Path(cache_dir) / f"{task}-{tag}-s{seed}-{n_train}-{n_test}"
     train, test = out / "train.jsonl", out / "test.jsonl"
     if not (train.is_file() and test.is_file()):
         tmp = Path(str(out) + f".tmp{os.getpid()}")
-        write_splits(tmp, task, n_train, n_test, seed)
+        write_splits(tmp, cfg, n_train, n_test, seed)
         try:
             os.rename(tmp, out)
         except OSError:  # written meanwhile by another process
@@ -340,7 +344,8 @@ def _split_files(name: str) -> tuple[list[Path], list[Path]]:
         return train, test
     if path.is_file():
         return [path], []
-    raise UserError(f"data.name = {name!r}: not 'synthetic', a dataset file, a folder or 'train,test' files")
+    raise UserError(f"data.name = {name!r}: not 'synthetic', 'synthetic_addition' (the built-in tasks), a dataset "
+                    "file, a folder or 'train,test' files")
 
 
 @dataclass
@@ -353,8 +358,10 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     """Held-out files, one path or a list (verl's data.val_files; none = nothing held out)."""
     name: str = "synthetic"
-    """Without train_files: 'synthetic' (the built-in addition task), a folder with train/test files,
-    'train.jsonl,test.jsonl', or one file (then nothing is held out)."""
+    """Without train_files: a built-in task, 'synthetic' (running sums, several dependent steps: data/chain.py) or
+    'synthetic_addition' (one addition, the easy task); a folder with train/test files, 'train.jsonl,test.jsonl',
+    or one file (then nothing is held out). With model.path empty the tiny base model is pretrained for the
+    built-in task named."""
     prompt_key: str = "prompt"
     """The field of a verl-layout row that holds the prompt (verl's data.prompt_key)."""
     reward_fn_key: str = "data_source"
@@ -378,8 +385,10 @@ class DataConfig:
         """The training and held-out files this section names."""
         if self.train_files:
             return [Path(p).expanduser() for p in self.train_files], [Path(p).expanduser() for p in self.val_files]
-        if self.name == "synthetic":
-            train, test = synthetic_files(cache_dir, self.seed, *synthetic_rows)
+        from treepo_ray.data.synthetic import TASKS
+
+        if self.name in TASKS:
+            train, test = synthetic_files(cache_dir, self.seed, *synthetic_rows, task=self.name)
             return [train], [test]
         return _split_files(self.name)
 

@@ -1,4 +1,14 @@
-"""A verifiable synthetic task a tiny model can learn on a CPU: multi-digit addition, worked column by column.
+"""The synthetic tasks, by name, and the easy one: multi-digit addition, worked column by column.
+
+Two tasks are built in (data.name selects one; both are offline and exactly verified):
+
+- `synthetic` (the default): running sums of 3 to 5 numbers, several dependent steps, 135-251 tokens
+  (data/chain.py);
+- `synthetic_addition`: one addition of two 3-digit numbers, about 40 tokens (this module).
+
+Both write questions as `Q: a+b+...` and answer with the sum in `\\boxed{}`; they share the held-out split below.
+
+The addition task:
 
 A problem and its worked solution look like this (one line per digit column, least significant first, each
 line `digits + carry-in = two-digit column sum`, whose tens digit is the next column's carry-in):
@@ -28,9 +38,14 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from treepo_ray.rewards.synthetic import DATA_SOURCE
+from treepo_ray.data.chain import ChainTaskConfig, draw_operands, training_text
+from treepo_ray.data.chain import question as chain_question
+from treepo_ray.rewards.synthetic import CHAIN_DATA_SOURCE, DATA_SOURCE
 
 _TEST_BUCKETS = 20  # one problem in 20 is held out
+
+TASKS = ("synthetic", "synthetic_addition")
+"""Names of the built-in tasks (data.name): running sums (the default) and the easy addition."""
 
 
 @dataclass
@@ -53,10 +68,16 @@ class Problem:
     """Stable id: the data source and the operands."""
     operands: list[int]
     """The numbers to add."""
+    data_source: str = DATA_SOURCE
+    """The task's `data_source` (routes the verifier)."""
+    slots: int = 0
+    """Running-sum task: the question lists the terms in this many slots (data/chain.py); 0 = `Q: a+b`."""
 
     @property
     def question(self) -> str:
         """The prompt text, ending with a newline so the first solution line follows."""
+        if self.slots:
+            return chain_question(self.operands, self.slots)
         return "Q: " + "+".join(str(x) for x in self.operands) + "\n"
 
     @property
@@ -64,7 +85,16 @@ class Problem:
         return str(sum(self.operands))
 
 
-def _check(cfg: SyntheticTaskConfig) -> None:
+def task_config(name: str) -> ChainTaskConfig | SyntheticTaskConfig:
+    """The default settings of the task called `name` (one of TASKS)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown synthetic task {name!r}; choose one of {TASKS}")
+    return ChainTaskConfig() if name == "synthetic" else SyntheticTaskConfig()
+
+
+def _check(cfg: SyntheticTaskConfig | ChainTaskConfig) -> None:
+    if isinstance(cfg, ChainTaskConfig):
+        return  # checked by its own __post_init__
     if not 1 <= cfg.digits <= 18:
         raise ValueError(f"digits must be in 1..18, got {cfg.digits}")
     if not 2 <= cfg.terms <= 9:
@@ -78,19 +108,26 @@ def is_test_problem(question: str) -> bool:
     return zlib.crc32(question.encode()) % _TEST_BUCKETS == 0
 
 
-def make_problems(n: int, cfg: SyntheticTaskConfig, seed: int, split: str = "train", unique: bool = True) -> list[Problem]:
-    """`n` random problems of the given split ('train' or 'test'), deterministic in `seed`; distinct ones unless
-    `unique` is off (ValueError when the split holds fewer than `n` distinct problems)."""
+def make_problems(n: int, cfg: SyntheticTaskConfig | ChainTaskConfig, seed: int, split: str = "train",
+                  unique: bool = True) -> list[Problem]:
+    """`n` random problems of the task `cfg` configures, of the given split ('train' or 'test'), deterministic in
+    `seed`; distinct ones unless `unique` is off (ValueError when the split holds fewer than `n` distinct
+    problems)."""
     _check(cfg)
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"{seed}/{split}")
-    lo, hi = 10 ** (cfg.digits - 1), 10**cfg.digits - 1
+    chain = isinstance(cfg, ChainTaskConfig)
+    source = CHAIN_DATA_SOURCE if chain else DATA_SOURCE
+    lo, hi = (0, 0) if chain else (10 ** (cfg.digits - 1), 10**cfg.digits - 1)
     out: list[Problem] = []
     seen: set[str] = set()
     misses = 0
     while len(out) < n:
-        p = Problem("", [rng.randint(lo, hi) for _ in range(cfg.terms)])
+        if chain:
+            p = Problem("", draw_operands(cfg, rng), source, cfg.max_terms)
+        else:
+            p = Problem("", [rng.randint(lo, hi) for _ in range(cfg.terms)])
         q = p.question
         if is_test_problem(q) != (split == "test") or (unique and q in seen):
             misses += 1
@@ -98,7 +135,7 @@ def make_problems(n: int, cfg: SyntheticTaskConfig, seed: int, split: str = "tra
                 raise ValueError(f"the {split} split of {cfg} holds fewer than {n} distinct problems")
             continue
         seen.add(q)
-        p.id = f"{DATA_SOURCE}/{'+'.join(map(str, p.operands))}"
+        p.id = f"{source}/{'+'.join(map(str, p.operands))}"
         out.append(p)
     return out
 
@@ -127,8 +164,19 @@ def worked_solution(problem: Problem, noise: float = 0.0, rng: random.Random | N
     return "\n".join(lines) + "\n\\boxed{" + answer + "}"
 
 
+def pretrain_text(problem: Problem, cfg: SyntheticTaskConfig | ChainTaskConfig, rng: random.Random
+                  ) -> tuple[str, str, bool]:
+    """A pretraining text for `problem` as the task's noise settings make it: the prompt (the question, after a
+    document prefix for the running-sum task's critique documents), the text after it, and whether it ends with
+    EOS."""
+    if isinstance(cfg, ChainTaskConfig):
+        prefix, text, eos = training_text(problem.operands, cfg, rng)
+        return prefix + problem.question, text, eos
+    return problem.question, worked_solution(problem, cfg.noise, rng), True
+
+
 def write_splits(
-    out_dir: str | Path, cfg: SyntheticTaskConfig, n_train: int, n_test: int, seed: int = 0
+    out_dir: str | Path, cfg: SyntheticTaskConfig | ChainTaskConfig, n_train: int, n_test: int, seed: int = 0
 ) -> tuple[Path, Path]:
     """Write train.jsonl and test.jsonl in the plain layout ({"id", "problem", "answer", "data_source"})."""
     out_dir = Path(out_dir)
@@ -138,7 +186,7 @@ def write_splits(
         path = out_dir / f"{split}.jsonl"
         with path.open("w") as f:
             for p in make_problems(n, cfg, seed, split):
-                row = {"id": p.id, "problem": p.question, "answer": p.answer, "data_source": DATA_SOURCE}
+                row = {"id": p.id, "problem": p.question, "answer": p.answer, "data_source": p.data_source}
                 f.write(json.dumps(row) + "\n")
         paths.append(path)
     return paths[0], paths[1]

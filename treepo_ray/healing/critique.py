@@ -49,7 +49,8 @@ class HealingConfig:
     """Temperature of the grafted tokens' teacher-forced log-probs (the learner's behaviour log-probs). 0 = the
     tree's sampling temperature, which the runtime fills in (rollout.temperature)."""
     prompts_path: str = ""
-    """YAML file with the `critique` and `refine` templates; empty = the packaged prompts.yaml."""
+    """YAML file with the `critique` and `refine` templates (one set, or one set per data source plus `default`);
+    empty = the packaged prompts.yaml."""
 
 
 @dataclass
@@ -88,12 +89,17 @@ def find_failure_node(tree: Tree, epsilon: float = 0.05) -> int | None:
     return None
 
 
-def load_prompts(path: str = "") -> dict[str, str]:
-    prompts = yaml.safe_load(Path(path or DEFAULT_PROMPTS).read_text())
-    missing = {"critique", "refine"} - set(prompts or {})
-    if missing:
-        raise ValueError(f"healing prompts file {path or DEFAULT_PROMPTS} lacks {sorted(missing)}")
-    return prompts
+def load_prompts(path: str = "") -> dict[str, dict[str, str]]:
+    """data_source -> its templates {critique, refine[, critique_stop]}; `default` serves every other source. A file
+    holding one set at its top level serves every source with it."""
+    where = path or DEFAULT_PROMPTS
+    prompts = yaml.safe_load(Path(where).read_text()) or {}
+    sets = {"default": prompts} if "critique" in prompts or "refine" in prompts else prompts
+    for source, templates in sets.items():
+        missing = {"critique", "refine"} - set(templates or {})
+        if missing:
+            raise ValueError(f"healing prompts file {where}: {source!r} lacks {sorted(missing)}")
+    return sets
 
 
 class CritiqueHealer:
@@ -127,6 +133,13 @@ class CritiqueHealer:
         (result,) = self.generate([SegmentRequest(tag, ids, max_tokens, n=n, params=params)])
         return result
 
+    def templates(self, tree: Tree) -> dict[str, str]:
+        """The prompt set of the tree's data source (its task's own critique format), else `default`."""
+        source = tree.meta.get("data_source", "")
+        if source not in self.prompts and "default" not in self.prompts:
+            raise ValueError(f"healing prompts have no set for data source {source!r} and no 'default'")
+        return self.prompts.get(source, self.prompts.get("default"))
+
     def heal(self, tree: Tree, seed: int = 0) -> HealResult:
         """Graft k critique-guided continuations under the tree's failure node; rewards re-propagated in place."""
         cfg, tok = self.cfg, self.tokenizer
@@ -134,13 +147,17 @@ class CritiqueHealer:
         out = HealResult(failure_node=node)
         if node is None:
             return out
+        templates = self.templates(tree)
         problem = safe_decode(tok, tree.prompt_ids, skip_special_tokens=True)
         partial = safe_decode(tok, tree.response_ids(node), skip_special_tokens=True)
-        critique_prompt = self.prompts["critique"].format(problem=problem, partial=partial)
+        critique_prompt = templates["critique"].format(problem=problem, partial=partial)
         crit = self._sample(critique_prompt, 1, cfg.critique_temperature, cfg.critique_max_tokens, seed,
                             f"{tree.query_id}/critique")
-        out.critique = safe_decode(tok, crit.children[0].token_ids, skip_special_tokens=True).strip()
-        refine_prompt = self.prompts["refine"].format(problem=problem, partial=partial, critique=out.critique)
+        out.critique = safe_decode(tok, crit.children[0].token_ids, skip_special_tokens=True)
+        if templates.get("critique_stop"):  # a one-line critique format: what follows is not the critique
+            out.critique = out.critique.split(templates["critique_stop"])[0]
+        out.critique = out.critique.strip()
+        refine_prompt = templates["refine"].format(problem=problem, partial=partial, critique=out.critique)
         refined = self._sample(refine_prompt, cfg.num_refinements, cfg.refine_temperature, cfg.step_len, seed + 1,
                                f"{tree.query_id}/refine")
         out.prompt_tokens = len(tok.encode(critique_prompt, add_special_tokens=False)) + len(

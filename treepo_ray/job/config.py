@@ -17,6 +17,7 @@ from treepo_ray.config import UserError
 from treepo_ray import storage
 from treepo_ray.algo.catpo import score_tree
 from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, tree_advantages, tree_credit
+from treepo_ray.algo.overlong import OverlongConfig, with_overlong_penalty
 from treepo_ray.data.datasets import DataConfig
 from treepo_ray.data.evaluate import EvalConfig
 from treepo_ray.healing.critique import HealingConfig
@@ -101,6 +102,12 @@ class AlgoConfig:
     """With dynamic sampling: at most this many extra rounds when too few prompts kept (then train on what is kept)."""
     treepo_weighting: str = "average"
     """TreePO subgroup aggregation: 'average' (paper default) or 'size'."""
+    treepo_root_group: bool = True
+    """TreePO: the whole prompt's group is one of each trajectory's levels (False = the paper's no-root ablation)."""
+    treepo_subgroup_rejection: bool = False
+    """TreePO: skip subgroups whose rewards are all equal (the paper's subgroup-level rejection ablation)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO's overlong reward buffer, applied to trajectory rewards before credit (algo/overlong.py)."""
     whiten_by_tokens: bool = True
     """TreePO: batch whitening weighted by each trajectory's token count (False = one weight per trajectory)."""
     grpo_scale: bool = True
@@ -135,17 +142,23 @@ class AlgoConfig:
         return self.dynamic_sampling
 
     def advantages(self, trees: list) -> list:
-        """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py)."""
-        return tree_advantages(trees, self.name, **self._credit_settings())
+        """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py), from the rewards
+        with the overlong penalty when it is on."""
+        return tree_advantages(self._penalised(trees), self.name, **self._credit_settings())
 
     def credit(self, trees: list) -> list:
         """Each tree's credit as the learner takes it: trajectory advantages, and per-node ones for TreeRPO and
-        CATPO (algo/credit.py: tree_credit)."""
-        return tree_credit(trees, self.name, **self._credit_settings())
+        CATPO (algo/credit.py: tree_credit), from the rewards with the overlong penalty when it is on."""
+        return tree_credit(self._penalised(trees), self.name, **self._credit_settings())
+
+    def _penalised(self, trees: list) -> list:
+        return with_overlong_penalty(trees, self.overlong) if self.overlong.enable else trees
 
     def _credit_settings(self) -> dict:
         return dict(treepo_weighting=self.treepo_weighting, whiten_by_tokens=self.whiten_by_tokens,
-                    grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range)
+                    grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range,
+                    treepo_root_group=self.treepo_root_group,
+                    treepo_subgroup_rejection=self.treepo_subgroup_rejection)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -461,6 +474,14 @@ class TrainConfig:
     """Steps, evaluation, checkpoints."""
     log: LogConfig = field(default_factory=LogConfig)
     """Logging sinks."""
+
+    def __post_init__(self) -> None:
+        overlong = self.algo.overlong
+        if overlong.enable and not overlong.max_len:  # the buffer ends at the sampler's response limit
+            overlong.max_len = self.sampler_config.response_limit()
+        if overlong.enable and overlong.buffer_len > overlong.max_len:
+            raise ValueError(f"algo.overlong.buffer_len = {overlong.buffer_len} exceeds the response limit "
+                             f"{overlong.max_len}")
 
     @property
     def sampler_config(self):

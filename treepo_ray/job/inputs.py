@@ -38,9 +38,9 @@ def resolve_model(cfg: TrainConfig) -> str:
     cache), or the tiny base model (built and cached on first use)."""
     if cfg.model.path:
         return resolve_model_path(cfg.model.path)
-    from treepo_ray.data.pretrain import prepare_base_model
+    from treepo_ray.data.pretrain import base_model_config, prepare_base_model
 
-    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed))
+    return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed, cfg=base_model_config(cfg.data.name)))
 
 
 def load_prompts(cfg: TrainConfig, model_path: str, tokenizer) -> tuple[list[Prompt], list[Prompt]]:

@@ -19,7 +19,9 @@ class LearnerConfig:
     """Optimiser, batching, parallelism and loss of the learner."""
 
     lr: float = 1e-6
-    """AdamW learning rate (1e-6 as in the papers; the tiny CPU demo uses about 2e-4)."""
+    """AdamW learning rate (1e-6 as in the papers; the tiny CPU demo uses 5e-5)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warmup, then constant (learner/schedule.py; 0 = none)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -79,6 +81,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"lr = {self.lr}; it must be > 0")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps = {self.lr_warmup_steps}; it must be >= 0")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay = {self.weight_decay}; it must be >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -31,6 +31,7 @@ from treepo_ray.learner import packing
 from treepo_ray.learner.batch import TrainSample, TrainTree, as_trees
 from treepo_ray.learner.checkpoint import read_checkpoint, write_checkpoint
 from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.learner.schedule import lr_at, set_lr
 from treepo_ray.learner.logprobs import LogprobHead, install_logprob_head
 from treepo_ray.learner.strategy import make_strategy
 from treepo_ray.learner.tree_attention import register as register_tree_attention
@@ -272,6 +273,7 @@ class Learner:
         figures = self._backward(indices, old, self.cfg.off_policy)
         if not figures:
             return None
+        set_lr(self.optimizer, lr_at(self.cfg.lr, self.cfg.lr_warmup_steps, self.version))  # schedule.py
         grad_norm, ok = self.strategy.step(figures["loss"])
         self.version += int(ok)
         return figures | {"grad_norm": grad_norm, "skipped": float(not ok)}

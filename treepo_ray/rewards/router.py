@@ -18,7 +18,7 @@ import treepo_ray.rewards.synthetic as synthetic
 from treepo_ray.rewards.custom import FunctionScorer, RewardFunctionConfig
 from treepo_ray.rewards.math import MathVerifier, MathVerifyConfig, compute_score
 
-EXACT_SOURCES = {synthetic.DATA_SOURCE: synthetic.score, "openai/gsm8k": gsm8k.score}
+EXACT_SOURCES = {**{source: synthetic.score for source in synthetic.DATA_SOURCES}, "openai/gsm8k": gsm8k.score}
 """data_source -> an in-process exact scorer (solution, ground truth) -> {"score", "acc", "pred"} with score 1/0."""
 MATH_SOURCES = frozenset({
     "math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",

@@ -1,7 +1,7 @@
-"""The synthetic addition task's verifier: its `data_source` and the exact check of the boxed integer answer.
+"""The synthetic tasks' verifier: their `data_source`s and the exact check of the boxed integer answer.
 
-The task itself (problems, worked solutions, splits) is treepo_ray.data.synthetic; the reward router sends the
-rows of DATA_SOURCE here.
+The tasks themselves (problems, worked solutions, splits) are treepo_ray.data.synthetic and data.chain; the reward
+router sends the rows of DATA_SOURCES here.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 from treepo_ray.rewards.boxed import last_boxed
 
 DATA_SOURCE = "synthetic_addition"
-"""`data_source` of the synthetic task's rows; the reward router sends it to `score`."""
+"""`data_source` of the synthetic addition task's rows; the reward router sends it to `score`."""
+CHAIN_DATA_SOURCE = "synthetic_chain"
+"""`data_source` of the running-sum task's rows (the default synthetic task)."""
+DATA_SOURCES = (CHAIN_DATA_SOURCE, DATA_SOURCE)
 
 
 def score(solution: str, ground_truth) -> dict:

@@ -187,7 +187,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------------------ rollouts
 
-    def grow(self, prompts: list[Prompt]) -> list[Tree]:
+    def grow(self, prompts: list[Prompt], progress: float = 0.0) -> list[Tree]:
         """Grow and score the trees of `prompts`, sharded over the schedulers; trees come back in prompt order.
 
         A shard whose scheduler is lost, or stuck (heartbeat), or whose trees failed because the healer was lost,
@@ -198,7 +198,7 @@ class Pipeline:
         k = len(self.schedulers)
         shards = {i: prompts[i::k] for i in range(k) if prompts[i::k]}
         healer = lambda: (self.healers or [None])[0]  # noqa: E731 - the healer a shard's trees are sent to
-        running = {self.schedulers[i].grow.remote(shard): (i, healer()) for i, shard in shards.items()}
+        running = {self.schedulers[i].grow.remote(shard, progress): (i, healer()) for i, shard in shards.items()}
         results: dict[int, list[Tree]] = {}
         regrows, deadline = 0, time.monotonic() + rt.deadlines.grow_s
         while running:
@@ -221,7 +221,7 @@ class Pipeline:
                                            "actors keep failing (runtime.faults.max_regrows)") from err
                 self.pool.registry.record.remote("regrown_prompts", f"{len(shards[i])} prompts grown again on a new "
                                                  "scheduler, with the same seeds", len(shards[i]))
-                running[self.schedulers[i].grow.remote(shards[i])] = (i, healer())
+                running[self.schedulers[i].grow.remote(shards[i], progress)] = (i, healer())
         out: list[Tree] = [None] * len(prompts)  # type: ignore[list-item]
         for i, shard in results.items():
             out[i::k] = shard
@@ -285,7 +285,7 @@ class Pipeline:
         for rnd in range(1 + (algo.max_extra_rounds if algo.filters_groups else 0)):
             missing = need - len(kept)
             n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
-            trees = self.grow(stream.take(n))
+            trees = self.grow(stream.take(n), progress=step / max(1, cfg.trainer.steps - 1))
             grown += trees
             trees = [t for t in trees if t.trajectories]  # none left when every verification of a tree failed
             kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees

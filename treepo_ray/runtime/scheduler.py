@@ -21,7 +21,7 @@ from treepo_ray.runtime.healer import score_and_heal
 from treepo_ray.runtime.liveness import within
 from treepo_ray.runtime.pool import GeneratorPool
 from treepo_ray.runtime.verifier import VerifierPool, leave_out_unverified
-from treepo_ray.tree import SequentialGrower, Tree, TreePOGrower, TreeRPOGrower
+from treepo_ray.tree import SequentialGrower, Tree, TreePOGrower, TreeRPOGrower, scheduled
 
 GROWERS = {"sequential": SequentialGrower, "treepo": TreePOGrower, "treerpo": TreeRPOGrower}
 
@@ -51,15 +51,17 @@ class TreeScheduler:
     def decode(self, ids: list[int]) -> str:
         return safe_decode(self.tokenizer, ids, skip_special_tokens=True)  # a bad model output must not raise
 
-    async def grow(self, prompts: list[Prompt]) -> list[Tree]:
+    async def grow(self, prompts: list[Prompt], progress: float = 0.0) -> list[Tree]:
         """Trees of `prompts` (ids unique over the run) with their rewards set, grown concurrently: a tree branches
-        as soon as its own paths are back."""
-        return list(await asyncio.gather(*(self._grow_one(p) for p in prompts)))
+        as soon as its own paths are back. `progress` (0 at the first training step, 1 at the last) sets scheduled
+        sampler settings (tree/treepo.py `scheduled`)."""
+        cfg = scheduled(self.sampler_cfg, progress)
+        return list(await asyncio.gather(*(self._grow_one(p, cfg) for p in prompts)))
 
-    async def _grow_one(self, prompt: Prompt) -> Tree:
+    async def _grow_one(self, prompt: Prompt, cfg) -> Tree:
         qid = prompt.id
         tree = Tree(prompt_ids=list(prompt.prompt_ids), query_id=qid)
-        grower = self.grower_cls(tree, self.sampler_cfg, eos_token_id=self.tokenizer.eos_token_id,
+        grower = self.grower_cls(tree, cfg, eos_token_id=self.tokenizer.eos_token_id,
                                  decode=self.decode, seed=prompt.seed)
         pending: set[asyncio.Future] = set()
         try:

@@ -194,6 +194,7 @@ def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | No
     elapsed0, loop_start = state.elapsed_s, time.time()
 
     faults: dict[str, float] = {}  # fault/* totals of this invocation (not rewound by a learner restart)
+    counters: dict[str, float] = {}  # growth/* totals of this invocation: what the tree growers did
 
     def save(step: int, data_position: int) -> None:
         state.step, state.data_position = step, data_position
@@ -227,6 +228,8 @@ def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | No
         for key, value in metrics.items():
             if key.startswith("fault/"):
                 faults[key] = faults.get(key, 0.0) + value
+            elif key.startswith("growth/"):
+                counters[key[len("growth/"):]] = counters.get(key[len("growth/"):], 0.0) + value
         state.trajectories += int(metrics.get("rollout/trajectories", 0))
         line = logger.log(step, metrics)
         if cfg.log.trees_per_step:
@@ -262,7 +265,8 @@ def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | No
                "train_time_s": elapsed0 + loop_s,
                "trajectories": state.trajectories,
                "eval_method": eval_method, "eval_problems": len(test_set),
-               "faults": faults, "pool_size": pipe.pool.size, "wandb_run_id": record.wandb_id}
+               "faults": faults, "tree_counters": counters, "pool_size": pipe.pool.size,
+               "wandb_run_id": record.wandb_id}
     summary["trajectories_per_s"] = state.trajectories / max(summary["train_time_s"], 1e-9)
     base = state.base_eval.get("eval/accuracy")
     summary["base_accuracy"] = base
@@ -288,6 +292,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"   held-out accuracy ({s['eval_problems']} problems, {s['eval_method']}): base {s['base_accuracy']:.3f}"
                      + (f" -> final {s['final_accuracy']:.3f} ({s['improvement_points']:+.1f} points)"
                         if s.get("final_accuracy") is not None else ""))
+    if s.get("tree_counters"):
+        lines.append("   tree growth: " + ", ".join(f"{k} {v:.0f}" for k, v in s["tree_counters"].items()))
     lines.append(f"   run directory: {s['run_dir']} (summary.json, metrics.jsonl, trees.jsonl, training_curve.png)")
     return "\n".join(lines)
 

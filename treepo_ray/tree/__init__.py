@@ -1,6 +1,14 @@
 """Layer 1: the rollout tree as data and the growth state machines (pure Python + numpy)."""
 
-from treepo_ray.tree.growth import Ask, Grower, Segment, StopRules, has_complete_boxed, has_repetition
+from treepo_ray.tree.growth import (
+    Ask,
+    Grower,
+    Segment,
+    StopRules,
+    growth_counters,
+    has_complete_boxed,
+    has_repetition,
+)
 from treepo_ray.tree.sequential import SequentialConfig, SequentialGrower
 from treepo_ray.tree.tree import FINISH_REASONS, Tree
 from treepo_ray.tree.treepo import (
@@ -10,6 +18,7 @@ from treepo_ray.tree.treepo import (
     allocate_logprob,
     allocate_uniform,
     branch_budget,
+    scheduled,
 )
 from treepo_ray.tree.treerpo import TreeRPOConfig, TreeRPOGrower
 
@@ -30,6 +39,8 @@ __all__ = [
     "allocate_logprob",
     "allocate_uniform",
     "branch_budget",
+    "growth_counters",
     "has_complete_boxed",
     "has_repetition",
+    "scheduled",
 ]

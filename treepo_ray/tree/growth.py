@@ -81,6 +81,9 @@ class PathLimits:
     """d: most segments on one path; a node at this depth ends its path."""
     max_response_len: int | None = None
     """Response token limit ('max_length'); 0 or None = max_depth * segment_len."""
+    max_total_len: int = 0
+    """Prompt + response token limit, the model's context ('max_length' too; 0 = none). Paths of longer prompts
+    reach it at a smaller depth; segments are cut to fit it."""
     require_eos_after_boxed: bool = False
     """A boxed answer ends a path only if the path also ended with EOS."""
     repetition_substr_len: int = 32
@@ -100,6 +103,8 @@ class PathLimits:
                              f"{self.segment_len}")
         if self.max_response_len is not None and self.max_response_len < 0:
             raise ValueError(f"{name}.max_response_len must be >= 0, got {self.max_response_len}")
+        if self.max_total_len < 0:
+            raise ValueError(f"{name}.max_total_len must be >= 0, got {self.max_total_len}")
         if self.repetition_substr_len < 0 or self.repetition_min_count < 0:
             raise ValueError(f"{name}.repetition_substr_len and repetition_min_count must be >= 0")
 
@@ -110,6 +115,7 @@ class PathLimits:
         return StopRules(
             max_depth=self.max_depth,
             max_response_len=self.response_limit(),
+            max_total_len=self.max_total_len,
             require_eos_after_boxed=self.require_eos_after_boxed,
             repetition_substr_len=self.repetition_substr_len,
             repetition_min_count=self.repetition_min_count,
@@ -124,6 +130,8 @@ class StopRules:
     """A node at this depth ends its path ('max_depth')."""
     max_response_len: int
     """A path whose response holds this many tokens or more ends ('max_length')."""
+    max_total_len: int = 0
+    """A path whose prompt + response holds this many tokens or more ends ('max_length'; 0 = no such limit)."""
     check_boxed: bool = True
     r"""A complete \boxed{...} in the response so far ends the path ('boxed')."""
     require_eos_after_boxed: bool = False
@@ -142,7 +150,7 @@ class StopRules:
             return "boxed", boxed
         if ended_with_eos:
             return "eos", boxed
-        if len(tree.response_ids(node)) >= self.max_response_len:
+        if self.tokens_left(tree, node) <= 0:
             return "max_length", boxed
         if tree.depth[node] >= self.max_depth:
             return "max_depth", boxed
@@ -150,6 +158,30 @@ class StopRules:
                 and has_repetition(decode(tree.tokens[node]), self.repetition_substr_len, self.repetition_min_count)):
             return "repetition", boxed
         return "none", boxed
+
+    def tokens_left(self, tree: Tree, node: int) -> int:
+        """How many more tokens a path ending at `node` may generate under the length limits."""
+        response = len(tree.response_ids(node))
+        left = self.max_response_len - response
+        if self.max_total_len:
+            left = min(left, self.max_total_len - len(tree.prompt_ids) - response)
+        return left
+
+
+# Per-batch totals of what the growers did (growth_counters): name -> the grower statistic it sums.
+COUNTERS = {
+    "branches": "branches", "budget_transfers": "budget_transfers", "fallbacks": "fallbacks",
+    "random_divergence": "random_divergence", "logprob_branchings": "logprob_branchings",
+    **{f"stop_{r}": f"finish/{r}" for r in FINISH_REASONS[1:]},
+}
+
+
+def growth_counters(trees: list[Tree]) -> dict[str, float]:
+    """`growth/<name>`: each growth mechanism's count summed over `trees` (from tree.meta["growth"]): asks that
+    branched, rounds whose finished paths' budget went to the survivors, fallbacks, trees whose initial divergence
+    was drawn at random, rounds whose budget was spread by segment log-probs, and finished paths per stop reason."""
+    stats = [t.meta.get("growth", {}) for t in trees]
+    return {f"growth/{name}": float(sum(g.get(key, 0) for g in stats)) for name, key in COUNTERS.items()}
 
 
 def check_positive(owner: str, **fields: int | float) -> None:
@@ -173,6 +205,9 @@ class Grower:
             raise ValueError(f"a grower needs a tree holding only the prompt, got {len(tree)} nodes")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if rules.tokens_left(tree, 0) < 1:
+            raise ValueError(f"tree {tree.query_id!r}: a prompt of {len(tree.prompt_ids)} tokens leaves no room for "
+                             f"a response under max_total_len {rules.max_total_len}")
         self.tree = tree
         self.rules = rules
         self.eos_token_id = eos_token_id
@@ -192,7 +227,8 @@ class Grower:
         self._done = False
         self.align = 0
         """Segment alignment (PathLimits.segment_align); subclasses set it before their first ask."""
-        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "surplus_dropped": 0}
+        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "surplus_dropped": 0,
+                                       "budget_transfers": 0, "logprob_branchings": 0, "random_divergence": 0}
         for reason in FINISH_REASONS[1:]:
             self._stats[f"finish/{reason}"] = 0
 
@@ -245,8 +281,9 @@ class Grower:
 
     def stats(self) -> dict:
         """Counters: asks, segments (nodes received), branches (asks with n >= 2), fallbacks, finish/<reason> (one
-        per finished node, dropped surplus included), surplus_dropped, max_depth_reached, trajectories; TreePO adds
-        rounds and init_divergence."""
+        per finished node, dropped surplus included), surplus_dropped, max_depth_reached, trajectories; TreePO's
+        budget_transfers, logprob_branchings and random_divergence (0 for the other growers), rounds and
+        init_divergence."""
         out = dict(self._stats)
         out["max_depth_reached"] = max(self.tree.depth)
         out["trajectories"] = len(self.tree.trajectories)
@@ -259,7 +296,7 @@ class Grower:
 
     def _ask(self, node: int, n: int, segment_len: int) -> Ask:
         """Queue a request for `n` children of `node`, each at most `segment_len` tokens and within the limit."""
-        left = self.rules.max_response_len - len(self.tree.response_ids(node))
+        left = self.rules.tokens_left(self.tree, node)
         if n < 1 or left < 1:
             raise AssertionError(f"bug: ask for {n} children of node {node} with {left} tokens left")
         if self.align:  # see PathLimits.segment_align; the children's depth decides

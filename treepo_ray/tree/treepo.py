@@ -21,6 +21,7 @@ rounding of log-prob allocation can create, is dropped at random and counted).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -51,7 +52,10 @@ class TreePOConfig(PathLimits):
     divergence_policy: str = "uniform"
     """How the budget is spread over active paths: 'uniform', 'logprob_high' or 'logprob_low'."""
     logprob_temperature: float = 2.0
-    """T of softmax(+-segment log-prob / T); the caller may change it between rounds for a schedule."""
+    """T of softmax(+-segment log-prob / T) (TreePO section 4.4: 2.0 in the static runs)."""
+    logprob_temperature_end: float = 0.0
+    """0 = T stays logprob_temperature; else T goes linearly from logprob_temperature to this over training (the
+    paper's scheduled variant: 5.0 -> 1.0); see `scheduled`."""
     fallback_policy: str = "finished_first"
     """Which finished path fallback branches from: 'finished_first' (most recently finished) or 'random'."""
 
@@ -59,6 +63,8 @@ class TreePOConfig(PathLimits):
         check_positive("TreePOConfig", width=self.width, max_depth=self.max_depth, segment_len=self.segment_len,
                        init_divergence=self.init_divergence, branch_factor=self.branch_factor,
                        logprob_temperature=self.logprob_temperature)
+        if self.logprob_temperature_end < 0:
+            raise ValueError(f"TreePOConfig.logprob_temperature_end must be >= 0, got {self.logprob_temperature_end}")
         if (self.init_divergence_min is None) != (self.init_divergence_max is None):
             raise ValueError("TreePOConfig.init_divergence_min and init_divergence_max must be set together")
         if self.init_divergence_min is not None:
@@ -77,6 +83,16 @@ class TreePOConfig(PathLimits):
             raise ValueError(f"TreePOConfig.fallback_policy {self.fallback_policy!r} is not one of {FALLBACK_POLICIES}")
         self.check_limits()
 
+
+
+def scheduled(cfg, progress: float):
+    """The sampler config for trees grown at `progress` (0 at the first training step, 1 at the last): a TreePO
+    config with a log-prob temperature schedule gets that point's temperature; anything else comes back as is."""
+    if not isinstance(cfg, TreePOConfig) or not cfg.logprob_temperature_end:
+        return cfg
+    p = min(max(float(progress), 0.0), 1.0)
+    t = cfg.logprob_temperature + (cfg.logprob_temperature_end - cfg.logprob_temperature) * p
+    return dataclasses.replace(cfg, logprob_temperature=t, logprob_temperature_end=0.0)
 
 
 def branch_budget(width: int, branch_factor: int, finished: int, finished_now: int, active: int) -> int:
@@ -143,6 +159,7 @@ class TreePOGrower(Grower):
         self.history: list[BudgetStep] = []
         if cfg.init_divergence_min is not None:
             self.init_divergence = int(self.rng.integers(cfg.init_divergence_min, cfg.init_divergence_max + 1))
+            self._stats["random_divergence"] = 1
         else:
             self.init_divergence = cfg.init_divergence
         self._stats["init_divergence"] = self.init_divergence
@@ -167,12 +184,16 @@ class TreePOGrower(Grower):
         depth = self.tree.depth[nodes[0]]
         if active:
             total = branch_budget(cfg.width, cfg.branch_factor, finished, len(finished_now), len(active))
+            # The paths that just finished gave their budget to the survivors (more than their own b each).
+            if total > branch_budget(cfg.width, cfg.branch_factor, finished, 0, len(active)):
+                self._stats["budget_transfers"] += 1
             if cfg.divergence_policy == "uniform":
                 shares = allocate_uniform(total, len(active), self.rng)
             else:
                 sign = 1.0 if cfg.divergence_policy == "logprob_high" else -1.0
                 seg_lp = [sum(self.tree.logprobs[n]) for n in active]  # log-prob of the whole segment
                 shares = allocate_logprob(total, seg_lp, cfg.logprob_temperature, sign)
+                self._stats["logprob_branchings"] += int(len(active) > 1)
             self.history.append(BudgetStep(depth, finished, len(finished_now), len(active), total, shares))
             for n, k in zip(active, shares):
                 self._ask(n, k, cfg.segment_len)

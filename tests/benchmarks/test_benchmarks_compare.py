@@ -1,0 +1,79 @@
+"""`treepo-ray compare` (benchmarks/compare.py): the summary over seeds by hand (no Ray, no model), and one short
+real run of two algorithms checked for the JSON layout and the plots."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from treepo_ray.benchmarks.compare import accuracy_at, first_reaching, main, summarise, verdict
+
+
+def run(seed, curve, **extra):
+    return {"seed": seed, "curve": curve, "final_accuracy": curve[-1][2], "wall_s": curve[-1][0],
+            "sampled_tokens": curve[-1][1], "steps": 10, "tree_counters": {"branches": 2.0}, **extra}
+
+
+def test_time_and_tokens_to_grpo_final_accuracy():
+    algos = {
+        "grpo": {"runs": [run(0, [[0, 0, 0.2], [50, 500, 0.3], [100, 1000, 0.5]]),
+                          run(1, [[0, 0, 0.2], [50, 500, 0.4], [100, 1000, 0.3]])]},
+        "treepo": {"runs": [run(0, [[0, 0, 0.2], [30, 400, 0.45], [100, 900, 0.6]]),
+                            run(1, [[0, 0, 0.2], [40, 450, 0.3], [60, 700, 0.4], [100, 950, 0.5]])]},
+        "dapo": {"runs": [run(0, [[0, 0, 0.2], [100, 800, 0.35]]), run(1, [[0, 0, 0.2], [100, 800, 0.5]])]},
+    }
+    summarise(algos)
+    g, t, d = algos["grpo"], algos["treepo"], algos["dapo"]
+    assert g["final_accuracy"] == pytest.approx(0.4) and g["final_accuracy_spread"] == [0.3, 0.5]
+    # GRPO's mean final accuracy is 0.4: TreePO's seeds get there at 30 s / 400 tokens and 60 s / 700 tokens.
+    assert t["time_to_grpo_final_s"] == pytest.approx(45) and t["tokens_to_grpo_final"] == pytest.approx(550)
+    assert g["time_to_grpo_final_s"] == pytest.approx(75)  # seed 0 at 100 s, seed 1 at 50 s
+    assert d["time_to_grpo_final_s"] is None  # seed 0 never gets there: no mean
+    assert t["tree_counters"] == {"branches": 4.0}
+    v = verdict(algos)
+    assert v["time_ratio"] == pytest.approx(45 / 100) and v["time_ratio_met"] and v["final_not_below_grpo"]
+    assert accuracy_at(t["runs"][1]["curve"], 65, 0) == 0.4 and first_reaching(g["runs"][0]["curve"], 0.9, 0) is None
+
+
+def test_catpo_heal_rate_cost_and_equal_tokens():
+    heal = {"attempts": 10.0, "healed": 6.0, "errors": 0.0, "dead_wrong": 10.0, "generated_tokens": 300.0,
+            "prompt_tokens": 100.0}
+    algos = {"treerpo": {"runs": [run(0, [[0, 0, 0.2], [50, 600, 0.3], [100, 1200, 0.4]])]},
+             "catpo": {"runs": [run(0, [[0, 0, 0.2], [50, 500, 0.35], [100, 1000, 0.45]], healing=heal)]}}
+    summarise(algos)
+    c = algos["catpo"]
+    assert c["heal_rate"] == 0.6 and c["healing"]["share_of_sampled_tokens"] == pytest.approx(0.3)
+    # at CATPO's 1000 tokens TreeRPO's last evaluated point is the one at 600 tokens
+    assert c["vs_treerpo"] == {"sampled_tokens": 1000.0, "catpo_accuracy": 0.45, "treerpo_accuracy": 0.3}
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    assert main(["--algos", "grpo,ppo"]) == 2
+    assert "ppo" in capsys.readouterr().err
+    assert main(["--seeds", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
+    out = tmp_path / "cmp.json"
+    cache = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
+    args = ["--algos", "grpo,treepo", "--seeds", "1", "--budget-s", "1", "--eval-every", "1", "--json", str(out),
+            f"model.path={tiny}", f"model.cache_dir={cache}", "trainer.eval_size=4", "trainer.prompts_per_step=2",
+            "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
+            "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # 2 x 8 tokens: in the context
+            "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
+            "algo.dynamic_sampling=false", "log.wandb=false"]
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    for name in ("grpo", "treepo"):
+        a = r["algorithms"][name]
+        (one,) = a["runs"]
+        assert one["seed"] == 0 and one["curve"][0] == [0.0, 0.0, r["base_accuracy"]]
+        assert all(len(row) == 3 for row in one["curve"]) and one["curve"][-1][2] == one["final_accuracy"]
+        assert one["wall_s"] >= 1.0 and one["sampled_tokens"] > 0 and one["steps"] >= 1
+        assert "time_to_grpo_final_s" in a and "tokens_to_grpo_final" in a
+    assert r["algorithms"]["treepo"]["tree_counters"]["branches"] > 0
+    assert r["algorithms"]["grpo"]["time_to_grpo_final_s"] is not None  # GRPO reaches its own final accuracy
+    for png in r["plots"]:
+        assert open(png, "rb").read(4) == b"\x89PNG"

@@ -1,0 +1,294 @@
+"""Algorithms side by side over time: the same task, base model and budget for each; held-out accuracy curves.
+
+    treepo-ray compare [config.yaml] [--algos grpo,dapo,treepo] [--seeds 2] [--budget-s S | --budget-tokens N]
+                       [--eval-every K] [--out DIR] [--json FILE] [key=value ...]
+
+Default config: jobs/configs/cpu.yaml (the tiny base model on the default synthetic task, local Ray). One set-up
+(model, data, Ray: runtime/train.py `set_up`), then for every algorithm and seed a fresh Pipeline (the job's own
+loop) trained until its budget is spent: the same wall-clock training time for every run (`--budget-s`, the
+default), or the same number of sampled tokens (`--budget-tokens`). Held-out accuracy (the job's evaluation:
+trainer.eval_size problems, trainer.eval_samples answers each at trainer.eval_temperature, fixed seeds) is taken
+every `--eval-every` training steps and at the end; evaluation time is left out of the wall clock. A curve point
+is placed where its weights were published: the training wall time and the tokens sampled up to then.
+
+The JSON holds `algorithms.<name>.runs` (one per seed: `seed`, `curve` as [wall_s, sampled_tokens,
+heldout_accuracy] rows, `final_accuracy`, `wall_s`, and where the time went), `.final_accuracy` (mean over seeds),
+`.time_to_grpo_final_s` and `.tokens_to_grpo_final` (mean over seeds of the first curve point at or above GRPO's
+mean final accuracy; null when a seed never gets there), `.tree_counters` (growth mechanism -> total over its
+runs), and for CATPO `.heal_rate` (share of the dead-wrong trees it healed that gained a correct branch), its
+healing cost in tokens, and `.vs_treerpo` (both at equal sampled tokens) when TreeRPO ran too. It prints a table
+and draws accuracy against wall time and against sampled tokens (mean and min-max band over seeds) as PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from treepo_ray.algo.credit import ALGORITHMS
+from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
+
+DEFAULT_ALGOS = ("grpo", "dapo", "treepo")
+BASELINE = "grpo"
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] | int:
+    ap = argparse.ArgumentParser(prog="treepo-ray compare", description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: cpu.yaml)")
+    ap.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated, of {', '.join(ALGORITHMS)}")
+    ap.add_argument("--seeds", type=int, default=2, help="runs per algorithm (trainer.seed = learner.seed = 0, 1, ...)")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--budget-s", type=float, default=None, help="training wall time per run (default 200 s)")
+    budget.add_argument("--budget-tokens", type=float, default=None, help="sampled tokens per run instead")
+    ap.add_argument("--eval-every", type=int, default=6, help="evaluate every this many training steps")
+    ap.add_argument("--out", default="", help="folder of the PNGs (default: beside --json, else runs/compare-<time>)")
+    ap.add_argument("--json", default=None, help="write the result here as JSON")
+    args, overrides = ap.parse_known_args(argv)
+    if "=" in args.config:
+        overrides, args.config = [args.config, *overrides], str(DEFAULT_CONFIG)
+    args.algos = [a for a in args.algos.split(",") if a]
+    unknown = [a for a in args.algos if a not in ALGORITHMS]
+    if unknown or not args.algos:
+        print(f"treepo-ray compare: --algos {unknown or '(empty)'}: choose from {', '.join(ALGORITHMS)}",
+              file=sys.stderr)
+        return 2
+    if args.seeds < 1 or args.eval_every < 1:
+        print("treepo-ray compare: --seeds and --eval-every must be >= 1", file=sys.stderr)
+        return 2
+    if args.budget_s is None and args.budget_tokens is None:
+        args.budget_s = 200.0
+    return args, overrides
+
+
+def run_config(path: str, overrides: list[str], algo: str, seed: int) -> TrainConfig:
+    """One run's config: the file and overrides, then the algorithm (its own loss preset) and the seed."""
+    return load_config(path, [*overrides, f"algo.name={algo}", f"trainer.seed={seed}", f"learner.seed={seed}"])
+
+
+def train_run(job, cfg: TrainConfig, base_accuracy: float, budget_s: float | None, budget_tokens: float | None,
+              eval_every: int) -> dict:
+    """Train one fresh pipeline until its budget is spent; its accuracy curve and where the time went."""
+    from treepo_ray.data.prompts import PromptStream
+    from treepo_ray.runtime.pipeline import Pipeline
+
+    tr = cfg.trainer
+    eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
+                     samples=tr.eval_samples, temperature=tr.eval_temperature)
+    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+    pipe.eval_set, pipe.eval_args = job.test_set, eval_args
+    curve = [[0.0, 0.0, base_accuracy]]
+    rows: list[dict] = []
+    published = {0: (0.0, 0.0)}  # weights version -> (training wall s, sampled tokens) when it was published
+    clock = {"start": 0.0, "eval_s": 0.0, "tokens": 0.0}
+
+    def on_step(batch, m: dict) -> bool:
+        if "eval/accuracy" in m:  # the producer evaluated version v before growing this batch
+            clock["eval_s"] += m.get("timing_s/testing", 0.0)
+            curve.append([*published[int(m["eval/version"])], m["eval/accuracy"]])
+        clock["tokens"] += m.get("rollout/sampled_tokens", 0.0)
+        wall = time.perf_counter() - clock["start"] - clock["eval_s"]
+        published[batch.step + 1] = (wall, clock["tokens"])
+        rows.append(m)
+        print(f"  {cfg.algo.name} seed {tr.seed} step {batch.step + 1}: {wall:.0f}s, {clock['tokens']:.0f} tokens, "
+              f"reward {m.get('critic/score/mean', math.nan):.3f}"
+              + (f", held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""), flush=True)
+        if budget_tokens is not None:
+            return clock["tokens"] < budget_tokens
+        return wall < budget_s
+
+    try:
+        clock["start"] = time.perf_counter()
+        done = pipe.train(0, 10**6, PromptStream(job.train_set, tr.seed, cfg.data.shuffle), on_step,
+                          eval_every=eval_every)
+        wall_s, tokens = published[done]
+        pipe.sync_weights(done)
+        final = pipe.evaluate(job.test_set, **eval_args)["eval/accuracy"]
+    finally:
+        pipe.shutdown()
+    curve.append([wall_s, tokens, final])
+    total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
+    out = {"seed": tr.seed, "curve": [[round(w, 2), t, a] for w, t, a in curve], "final_accuracy": final,
+           "wall_s": wall_s, "sampled_tokens": tokens, "steps": done,
+           "tree_counters": {k.split("/", 1)[1]: total(k) for k in rows[0] if k.startswith("growth/")} if rows else {},
+           "time": {"rollout_s": total("timing_s/gen"), "learner_s": total("timing_s/update_actor"),
+                    "learner_waiting_s": total("timing_s/wait"), "weight_sync_s": total("timing_s/update_weights"),
+                    "eval_s": clock["eval_s"]},
+           "trajectories": total("rollout/trajectories"),
+           "shared_prefix_share": total("tree/shared_prefix_share") / max(len(rows), 1),
+           "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows]}
+    if cfg.algo.name == "catpo":
+        out["healing"] = {"attempts": total("catpo/heal_attempts"), "healed": total("catpo/healed"),
+                          "errors": total("catpo/heal_errors"), "dead_wrong": total("catpo/dead_wrong"),
+                          "generated_tokens": total("catpo/heal_generated_tokens"),
+                          "prompt_tokens": total("catpo/heal_prompt_tokens")}
+    return out
+
+
+def first_reaching(curve: list, target: float, column: int) -> float | None:
+    """wall_s (column 0) or tokens (column 1) of the first curve point at or above `target`."""
+    for row in curve:
+        if row[2] >= target - 1e-12:
+            return row[column]
+    return None
+
+
+def mean_or_none(values: list) -> float | None:
+    return None if not values or any(v is None for v in values) else float(np.mean(values))
+
+
+def accuracy_at(curve: list, x: float, column: int) -> float:
+    """The accuracy of the last curve point at or before `x` (wall s or tokens)."""
+    return [row[2] for row in curve if row[column] <= x + 1e-9][-1]
+
+
+def summarise(algos: dict) -> dict:
+    """Means over seeds, the time and tokens to GRPO's final accuracy, tree counters, CATPO's healing."""
+    for a in algos.values():
+        finals = [r["final_accuracy"] for r in a["runs"]]
+        a["final_accuracy"] = float(np.mean(finals))
+        a["final_accuracy_spread"] = [float(min(finals)), float(max(finals))]
+        a["wall_s"] = float(np.mean([r["wall_s"] for r in a["runs"]]))
+        a["sampled_tokens"] = float(np.mean([r["sampled_tokens"] for r in a["runs"]]))
+        counters: dict[str, float] = {}
+        for r in a["runs"]:
+            for k, v in r["tree_counters"].items():
+                counters[k] = counters.get(k, 0.0) + v
+        a["tree_counters"] = counters
+    if BASELINE in algos:
+        target = algos[BASELINE]["final_accuracy"]
+        for a in algos.values():
+            a["time_to_grpo_final_s"] = mean_or_none([first_reaching(r["curve"], target, 0) for r in a["runs"]])
+            a["tokens_to_grpo_final"] = mean_or_none([first_reaching(r["curve"], target, 1) for r in a["runs"]])
+    if "catpo" in algos:
+        c = algos["catpo"]
+        heal = {k: sum(r["healing"][k] for r in c["runs"]) for k in c["runs"][0]["healing"]}
+        c["heal_rate"] = heal["healed"] / heal["attempts"] if heal["attempts"] else None
+        c["healing"] = {**heal, "share_of_sampled_tokens": heal["generated_tokens"] / max(
+            sum(r["sampled_tokens"] for r in c["runs"]), 1.0)}
+        if "treerpo" in algos:  # both at the sampled tokens the shorter of the two reached
+            t = algos["treerpo"]
+            x = min(c["sampled_tokens"], t["sampled_tokens"])
+            c["vs_treerpo"] = {"sampled_tokens": x,
+                               "catpo_accuracy": float(np.mean([accuracy_at(r["curve"], x, 1) for r in c["runs"]])),
+                               "treerpo_accuracy": float(np.mean([accuracy_at(r["curve"], x, 1)
+                                                                  for r in t["runs"]]))}
+    return algos
+
+
+def verdict(algos: dict) -> dict | None:
+    """TreePO against GRPO, the issue's targets: time to GRPO's final accuracy <= 0.75 x GRPO's wall time, and a
+    final accuracy not below GRPO's at equal wall time."""
+    if BASELINE not in algos or "treepo" not in algos:
+        return None
+    g, t = algos[BASELINE], algos["treepo"]
+    ratio = t["time_to_grpo_final_s"] / g["wall_s"] if t["time_to_grpo_final_s"] is not None else None
+    return {"time_ratio": ratio, "time_ratio_target": 0.75, "time_ratio_met": ratio is not None and ratio <= 0.75,
+            "final_accuracy_treepo": t["final_accuracy"], "final_accuracy_grpo": g["final_accuracy"],
+            "final_not_below_grpo": t["final_accuracy"] >= g["final_accuracy"]}
+
+
+def table(algos: dict) -> str:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"{'algorithm':<12} {'final acc':>9} {'(min-max)':>13} {'wall s':>7} {'tokens':>9} {'steps':>6} "
+             f"{'s to GRPO':>9} {'tok to GRPO':>11}"]
+    for name, a in algos.items():
+        lo, hi = a["final_accuracy_spread"]
+        steps = np.mean([r["steps"] for r in a["runs"]])
+        lines.append(f"{name:<12} {a['final_accuracy']:>9.3f} {f'({lo:.3f}-{hi:.3f})':>13} {a['wall_s']:>7.0f} "
+                     f"{a['sampled_tokens']:>9.0f} {steps:>6.1f} {fmt(a.get('time_to_grpo_final_s'), '9.0f'):>9} "
+                     f"{fmt(a.get('tokens_to_grpo_final'), '11.0f'):>11}")
+    return "\n".join(lines)
+
+
+def plot(algos: dict, out_dir: Path) -> list[str]:
+    """accuracy_vs_wall.png and accuracy_vs_tokens.png: per algorithm the mean over seeds (curves stepped onto a
+    common grid) and the min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for column, name, label in ((0, "accuracy_vs_wall.png", "training wall time (s)"),
+                                (1, "accuracy_vs_tokens.png", "sampled tokens")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for algo, a in algos.items():
+            end = min(r["curve"][-1][column] for r in a["runs"])
+            grid = np.linspace(0, end, 100)
+            ys = np.array([[accuracy_at(r["curve"], x, column) for x in grid] for r in a["runs"]])
+            (line,) = ax.plot(grid, ys.mean(axis=0), label=algo, drawstyle="steps-post")
+            ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2, step="post")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse_args(argv)
+    if isinstance(parsed, int):
+        return parsed
+    args, overrides = parsed
+    try:
+        cfgs = {(a, s): run_config(args.config, overrides, a, s) for a in args.algos for s in range(args.seeds)}
+    except ValueError as err:
+        print(f"treepo-ray compare: {err}", file=sys.stderr)
+        return 2
+    from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.train import set_up
+
+    started = time.time()
+    first = cfgs[(args.algos[0], 0)]
+    job = set_up(first)
+    tr = first.trainer
+    pipe = Pipeline(first, job.model_path, job.tokenizer)  # the base model's accuracy, once for every run
+    try:
+        base = pipe.evaluate(job.test_set, max_new_tokens=tr.eval_max_new_tokens or first.sampler_config.response_limit(),
+                             samples=tr.eval_samples, temperature=tr.eval_temperature)["eval/accuracy"]
+    finally:
+        pipe.shutdown()
+    print(f"base model: held-out accuracy {base:.3f} on {len(job.test_set)} problems", flush=True)
+    algos: dict = {a: {"runs": []} for a in args.algos}
+    for (algo, seed), cfg in cfgs.items():
+        algos[algo]["runs"].append(train_run(job, cfg, base, args.budget_s, args.budget_tokens, args.eval_every))
+    summarise(algos)
+    result = {"config": args.config, "overrides": overrides, "model": job.model_path,
+              "budget": {"wall_s": args.budget_s} if args.budget_tokens is None else {"tokens": args.budget_tokens},
+              "eval": f"pass@1: mean of {tr.eval_samples} answers per problem at temperature {tr.eval_temperature}, "
+                      f"{len(job.test_set)} held-out problems, every {args.eval_every} steps and at the end",
+              "base_accuracy": base, "algorithms": algos, "treepo_vs_grpo": verdict(algos)}
+    out_dir = Path(args.out or (Path(args.json).parent if args.json else f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["plots"] = plot(algos, out_dir)
+    result["wall_s"] = time.time() - started
+    print(table(algos))
+    if result["treepo_vs_grpo"]:
+        v = result["treepo_vs_grpo"]
+        print(f"TreePO reached GRPO's final accuracy in {v['time_ratio'] if v['time_ratio'] is not None else 'never'}"
+              f" x GRPO's wall time (target <= 0.75); final {v['final_accuracy_treepo']:.3f} vs GRPO "
+              f"{v['final_accuracy_grpo']:.3f}")
+    if "catpo" in algos:
+        c = algos["catpo"]
+        print(f"CATPO healing: {c['healing']['healed']:.0f} of {c['healing']['attempts']:.0f} dead-wrong trees gained"
+              f" a correct branch (heal_rate {c['heal_rate']}); {c['healing']['generated_tokens']:.0f} generated + "
+              f"{c['healing']['prompt_tokens']:.0f} prompt tokens")
+    print(f"plots: {', '.join(result['plots'])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
