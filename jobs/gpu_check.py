@@ -201,9 +201,9 @@ def _hf(path: str, device: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def _logprob_gap(model, prompt: list[int], tokens: list[int], logprobs: list[float], vocab: int | None = None) -> float:
-    """Mean |engine log-prob - the HF model's| over a segment's tokens, at temperature 1 over the first `vocab`
-    logits (vLLM: all of them, padded rows included; the hf engine: the tokenizer's)."""
+def _logprob_gap(model, prompt: list[int], tokens: list[int], logprobs: list[float], vocab: int) -> float:
+    """Mean |engine log-prob - the HF model's| over a segment's tokens, at temperature 1 over the tokenizer's `vocab`
+    logits: both engines report the log-probs of what they sample from, padded rows masked out."""
     import torch
 
     with torch.no_grad():
@@ -252,7 +252,7 @@ def leg_vllm_generate(context: dict) -> dict:
     if max(tokens) >= vocab:
         raise AssertionError(f"a padded id was sampled (max {max(tokens)} >= tokenizer vocabulary {vocab})")
     model = _hf(path, device)
-    gaps = [_logprob_gap(model, p, c.token_ids, c.logprobs) for p, r in zip(PROMPTS, results)
+    gaps = [_logprob_gap(model, p, c.token_ids, c.logprobs, vocab) for p, r in zip(PROMPTS, results)
             for c in r.children[:2]]
     gap = max(gaps)
     if gap > 0.05:
@@ -295,7 +295,7 @@ def leg_weights(context: dict) -> dict:
     paths = ["object_store"] + (["broadcast"] if whole or device == "cpu" else [])
     backend = "nccl" if device == "cuda" else "gloo"
     figures, model = {"engine": engine_name, "dtype": dtype}, _hf(path, device)
-    vocab = None if engine_name == "vllm" else len(AutoTokenizer.from_pretrained(path))
+    vocab = len(AutoTokenizer.from_pretrained(path))
     version = 0
     for how in paths:
         ray.get(group.train_step(ray.put(samples)))
@@ -425,6 +425,8 @@ def leg_treepo_e2e(context: dict) -> dict:
 
 
 def leg_vllm_tp2(context: dict) -> dict:
+    from transformers import AutoTokenizer
+
     from treepo_ray.engines.base import SamplingParams, SegmentRequest
     from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
 
@@ -436,7 +438,8 @@ def leg_vllm_tp2(context: dict) -> dict:
     (res,) = pool.generate_now([SegmentRequest("tp", PROMPTS[0], 32, 4, SamplingParams(1.0, seed=3))])
     pool.close()
     model = _hf(path, context["device"])
-    gap = max(_logprob_gap(model, PROMPTS[0], c.token_ids, c.logprobs) for c in res.children)
+    vocab = len(AutoTokenizer.from_pretrained(path))
+    gap = max(_logprob_gap(model, PROMPTS[0], c.token_ids, c.logprobs, vocab) for c in res.children)
     if gap > 0.05:
         raise AssertionError(f"tensor-parallel vLLM's log-probs differ from the HF model's by {gap:.4f} (> 0.05)")
     return {"logprob_gap_max_mean": gap, "tokens": sum(len(c.token_ids) for c in res.children)}

@@ -137,8 +137,9 @@ def test_sampling_never_emits_padding_ids_and_logprobs_stay_the_models(engine, p
     steps = torch.arange(len(prompt) - 1, len(prompt) + len(child) - 1)
     padding_mass = logp[steps, TOKENIZER_VOCAB:].exp().sum(-1).mean().item()
     assert padding_mass > 0.1  # unmasked, about one token in ten would have been a padded id
-    # Raw log-probs over the full padded vocabulary: the mask is applied after vLLM takes them.
-    assert torch.allclose(torch.tensor(res.children[0].logprobs), logp[steps, torch.tensor(child)], atol=1e-3)
+    # The log-probs of the distribution sampled from: the tokenizer's ids only, as the learner scores them.
+    sampled = hf(torch.tensor([prompt + child])).logits[0, :, :TOKENIZER_VOCAB].log_softmax(-1).detach()
+    assert torch.allclose(torch.tensor(res.children[0].logprobs), sampled[steps, torch.tensor(child)], atol=1e-3)
 
 
 def test_weights_stream_from_a_broadcast_into_the_running_model(engine, padded, tmp_path):
