@@ -39,10 +39,10 @@ def test_output_layer_before_and_after_agree(tmp_path):
 
 
 @pytest.mark.slow
-def test_small_run_writes_every_figure(tmp_path):
+def test_small_run_writes_every_figure(tiny, tmp_path):
     out = tmp_path / "learner.json"
     assert main(["--configs", "c", "--rounds", "1", "--steps", "1", "--prompt-len", "4", "--step-len", "2",
-                 "--no-memory", "--json", str(out), "learner.micro_batch_tokens=400"]) == 0
+                 "--no-memory", "--json", str(out), f"model.path={tiny}", "learner.micro_batch_tokens=400"]) == 0
     result = json.loads(out.read_text())
     c = result["configs"]["c"]
     for mode in ("packed", "unpacked"):
