@@ -313,28 +313,41 @@ class GeneratorPool:
             if cache_keys:
                 self._engines[home].release.remote(cache_keys)
 
-    def _load_into_engines(self, state_ref, version: int) -> list[str]:
-        """Load one object-store copy of the weights into every engine; returns the ids of engines found dead or
-        stuck (the pool manager replaces them). Any other failure is raised."""
+    def _load_into_engines(self, state_ref, version: int) -> dict[str, str]:
+        """Load one object-store copy of the weights into every engine; returns the engines found dead or stuck (id ->
+        why; the pool manager replaces them). Any other failure is raised."""
         if hasattr(state_ref, "deliver"):  # a broadcast (weights.py): one transfer to every engine at once
             lost = state_ref.deliver(dict(self._engines), version)
             for eid in lost:
                 self._lost(eid)
-            return lost
-        refs = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
-        end, lost, error = time.monotonic() + self.deadlines.call_s, [], None
-        for eid, ref in refs.items():  # every answer is taken, even after an error (none is left unhandled)
-            try:
-                get(ref, max(end - time.monotonic(), 0.0), f"engine {eid[:8]} loading weights v{version}")
-            except DeadlineExceeded:
+            return {eid: "lost" for eid in lost}
+        pending = {eid: e.load_weights.remote(state_ref, version) for eid, e in list(self._engines.items())}
+        end, lost, error = time.monotonic() + self.deadlines.call_s, {}, None
+        # The manager's heartbeat waits for this call (one lock), so the load pings on its own: an engine stopped
+        # mid-load is found after heartbeat_s, not call_s.
+        watch = Heartbeat(self.deadlines.heartbeat_s, self.deadlines.heartbeat_s)
+        while pending:
+            done, _ = ray.wait(list(pending.values()), num_returns=len(pending),
+                               timeout=min(0.2, max(end - time.monotonic(), 0.0)))
+            for eid in [eid for eid, ref in pending.items() if ref in done]:  # every answer is taken, even after an error
+                try:
+                    ray.get(pending.pop(eid))
+                except RayActorError as err:
+                    if not actor_lost(err):  # e.g. the weights' owner, a learner, died: raised once all answered
+                        error = error or err
+                        continue
+                    lost[eid] = "lost"
+                    self._lost(eid)
+            _, stuck = watch.check({eid: self._engines[eid] for eid in pending})
+            late = {eid: f"stuck (no ping answered for {self.deadlines.heartbeat_s:g}s, runtime.deadlines.heartbeat_s)"
+                    for eid in stuck}
+            if time.monotonic() >= end:
+                late.update({eid: f"not done within {self.deadlines.call_s:g}s (runtime.deadlines.call_s)"
+                             for eid in pending if eid not in late})
+            for eid, why in late.items():
                 ray.kill(self._engines[eid])
-                lost.append(eid)
-                self._lost(eid)
-            except RayActorError as err:
-                if not actor_lost(err):  # e.g. the weights' owner, a learner, died: raised once all answered
-                    error = error or err
-                    continue
-                lost.append(eid)
+                del pending[eid]
+                lost[eid] = why
                 self._lost(eid)
         if error is not None:
             raise error
@@ -529,8 +542,11 @@ class GeneratorPool:
         with self._lock:
             self._weights = (version, state_ref)
             lost = self._load_into_engines(state_ref, version)
-            for eid in lost:
-                self._drop(eid, f"engine {eid[:8]} lost while loading weights v{version}")
+            for eid, why in lost.items():
+                if why != "lost":
+                    self._event("engines_stuck", f"engine {eid[:8]} {why} while loading weights v{version}: "
+                                "killed and replaced")
+                self._drop(eid, f"engine {eid[:8]} {why} while loading weights v{version}")
             if lost:
                 self._publish()
 
