@@ -8,13 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from treepo_ray.learner.logprobs import LogprobHead, chunked_logprobs, install_logprob_head, logprobs_reference
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Small ops: with other processes on the cores, OpenMP threads waiting for each other cost far more.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
