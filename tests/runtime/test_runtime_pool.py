@@ -92,7 +92,9 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
     run = job(two_engines(tiny, "learner.lr=1e-30"))
     pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
     clean, faulty, caught = [], [], []
-    kills = {3: "ray", 4: "signal"}  # after these steps are trained, the producer is growing the next batch
+    # Synchronous (max_staleness 0): after step k is trained the producer grows batch k + 1, so an engine is busy
+    # when the kill looks for one (with a staleness of 1 the last batch may be grown already and nothing is running).
+    kills = {3: "ray", 4: "signal"}
 
     def on_faulty_step(batch, metrics):
         faulty.append((batch, metrics))
@@ -102,7 +104,8 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
 
     try:
         assert pipe.train(0, 3, PromptStream(run.train_set, 0), lambda b, m: clean.append((b, m)) or True, 4) == 3
-        assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4) == 6
+        assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4, max_staleness=0) == 6
+        assert caught == [True, True]
         deadline = time.monotonic() + 60
         while (pipe.pool.lost, pipe.pool.size) != (2, 2) and time.monotonic() < deadline:
             time.sleep(0.2)  # both losses noticed, both replacements joined
@@ -111,7 +114,6 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
     finally:
         pipe.shutdown()
 
-    assert caught == [True, True]
     # Every step trained once, in order, on full trees (learner version = steps trained).
     assert [b.step for b, _ in clean + faulty] == list(range(6))
     assert [m["actor/version"] for _, m in clean + faulty] == [1, 2, 3, 4, 5, 6]
@@ -177,7 +179,8 @@ def test_a_stuck_engine_and_an_engine_error_are_replaced_and_change_nothing(ray_
     try:
         assert pipe.train(0, 3, PromptStream(run.train_set, 0), lambda b, m: clean.append((b, m)) or True, 4) == 3
         start = time.monotonic()
-        assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4) == 6
+        assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4, max_staleness=0) == 6
+        assert caught == [True, True]
         took = time.monotonic() - start
         deadline = time.monotonic() + 60
         while pipe.pool.size != 2 and time.monotonic() < deadline:
