@@ -57,7 +57,7 @@ def test_bad_arguments_are_one_line_errors(capsys):
 def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
     out = tmp_path / "cmp.json"
     cache = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
-    args = ["--algos", "grpo,treepo", "--seeds", "1", "--budget-s", "1", "--eval-every", "1", "--json", str(out),
+    args = ["--algos", "grpo,treepo", "--seeds", "1", "--budget-s", "1", "--eval-points", "1", "--json", str(out),
             f"model.path={tiny}", f"model.cache_dir={cache}", "trainer.eval_size=4", "trainer.prompts_per_step=2",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
@@ -71,6 +71,9 @@ def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
         (one,) = a["runs"]
         assert one["seed"] == 0 and one["curve"][0] == [0.0, 0.0, r["base_accuracy"]]
         assert all(len(row) == 3 for row in one["curve"]) and one["curve"][-1][2] == one["final_accuracy"]
+        # base, the weights published first after the mark at half the budget, the final weights
+        (_, (w1, t1, _), (w2, t2, _)) = one["curve"]
+        assert 0.5 <= w1 < w2 == round(one["wall_s"], 2) and 0 < t1 < t2 == one["sampled_tokens"]
         assert one["wall_s"] >= 1.0 and one["sampled_tokens"] > 0 and one["steps"] >= 1
         assert "time_to_grpo_final_s" in a and "tokens_to_grpo_final" in a
     assert r["algorithms"]["treepo"]["tree_counters"]["branches"] > 0

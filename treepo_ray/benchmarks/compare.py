@@ -1,15 +1,17 @@
 """Algorithms side by side over time: the same task, base model and budget for each; held-out accuracy curves.
 
     treepo-ray compare [config.yaml] [--algos grpo,dapo,treepo] [--seeds 2] [--budget-s S | --budget-tokens N]
-                       [--eval-every K] [--out DIR] [--json FILE] [key=value ...]
+                       [--eval-points N] [--out DIR] [--json FILE] [key=value ...]
 
 Default config: jobs/configs/cpu.yaml (the tiny base model on the default synthetic task, local Ray). One set-up
 (model, data, Ray: runtime/train.py `set_up`), then for every algorithm and seed a fresh Pipeline (the job's own
 loop) trained until its budget is spent: the same wall-clock training time for every run (`--budget-s`, the
 default), or the same number of sampled tokens (`--budget-tokens`). Held-out accuracy (the job's evaluation:
 trainer.eval_size problems, trainer.eval_samples answers each at trainer.eval_temperature, fixed seeds) is taken
-every `--eval-every` training steps and at the end; evaluation time is left out of the wall clock. A curve point
-is placed where its weights were published: the training wall time and the tokens sampled up to then.
+of the weights published first after each of `--eval-points` evenly spaced marks of the budget, and of the final
+weights: they are kept during training and scored after it by one evaluator with every engine the cluster has room
+for, so a run's clock holds training only. A curve point is placed where its weights were published: the training
+wall time and the tokens sampled up to then.
 
 The JSON holds `algorithms.<name>.runs` (one per seed: `seed`, `curve` as [wall_s, sampled_tokens,
 heldout_accuracy] rows, `final_accuracy`, `wall_s`, and where the time went), `.final_accuracy` (mean over seeds),
@@ -46,7 +48,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--budget-s", type=float, default=None, help="training wall time per run (default 200 s)")
     budget.add_argument("--budget-tokens", type=float, default=None, help="sampled tokens per run instead")
-    ap.add_argument("--eval-every", type=int, default=6, help="evaluate every this many training steps")
+    ap.add_argument("--eval-points", type=int, default=10,
+                    help="evaluate at this many evenly spaced points of the budget, and at the end")
     ap.add_argument("--out", default="", help="folder of the PNGs (default: beside --json, else runs/compare-<time>)")
     ap.add_argument("--json", default=None, help="write the result here as JSON")
     args, overrides = ap.parse_known_args(argv)
@@ -58,8 +61,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
         print(f"treepo-ray compare: --algos {unknown or '(empty)'}: choose from {', '.join(ALGORITHMS)}",
               file=sys.stderr)
         return 2
-    if args.seeds < 1 or args.eval_every < 1:
-        print("treepo-ray compare: --seeds and --eval-every must be >= 1", file=sys.stderr)
+    if args.seeds < 1 or args.eval_points < 0:
+        print("treepo-ray compare: --seeds must be >= 1 and --eval-points >= 0", file=sys.stderr)
         return 2
     if args.budget_s is None and args.budget_tokens is None:
         args.budget_s = 200.0
@@ -71,63 +74,94 @@ def run_config(path: str, overrides: list[str], algo: str, seed: int) -> TrainCo
     return load_config(path, [*overrides, f"algo.name={algo}", f"trainer.seed={seed}", f"learner.seed={seed}"])
 
 
-def train_run(job, cfg: TrainConfig, base_accuracy: float, budget_s: float | None, budget_tokens: float | None,
-              eval_every: int) -> dict:
-    """Train one fresh pipeline until its budget is spent; its accuracy curve and where the time went."""
+def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: float | None, eval_points: int) -> dict:
+    """Train one fresh pipeline until its budget is spent. The weights published first after each of `eval_points`
+    evenly spaced marks of the budget, and the final ones, are kept (object-store copies) with the training wall
+    time and sampled tokens at their publication; `evaluate_runs` scores them afterwards, so the run's clock holds
+    training only, with rollout and learning overlapped as in a job (an evaluation inside the loop would stall the
+    rollout while the learner went on training for free)."""
     from treepo_ray.data.prompts import PromptStream
     from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.weights import ObjectStoreWeights
 
     tr = cfg.trainer
-    eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
-                     samples=tr.eval_samples, temperature=tr.eval_temperature)
+    budget = budget_s if budget_tokens is None else budget_tokens
+    marks = [budget * (i + 1) / (eval_points + 1) for i in range(eval_points)]
     pipe = Pipeline(cfg, job.model_path, job.tokenizer)
-    pipe.eval_set, pipe.eval_args = job.test_set, eval_args
-    curve = [[0.0, 0.0, base_accuracy]]
     rows: list[dict] = []
-    published = {0: (0.0, 0.0)}  # weights version -> (training wall s, sampled tokens) when it was published
-    clock = {"start": 0.0, "eval_s": 0.0, "tokens": 0.0}
+    kept: list[tuple] = []  # (wall s, sampled tokens, weights) per evaluation point
+    clock = {"start": 0.0, "tokens": 0.0, "wall": 0.0}
+
+    def keep(wall: float, tokens: float) -> None:
+        version, weights = pipe.learner.published  # the weights of the step just trained
+        if not isinstance(weights, ObjectStoreWeights):  # a broadcast version lives on the learner: take a copy
+            weights = pipe.learner.export_weights()
+        kept.append((wall, tokens, weights))
 
     def on_step(batch, m: dict) -> bool:
-        if "eval/accuracy" in m:  # the producer evaluated version v before growing this batch
-            clock["eval_s"] += m.get("timing_s/testing", 0.0)
-            curve.append([*published[int(m["eval/version"])], m["eval/accuracy"]])
         clock["tokens"] += m.get("rollout/sampled_tokens", 0.0)
-        wall = time.perf_counter() - clock["start"] - clock["eval_s"]
-        published[batch.step + 1] = (wall, clock["tokens"])
+        clock["wall"] = wall = time.perf_counter() - clock["start"]
         rows.append(m)
+        spent = wall if budget_tokens is None else clock["tokens"]
+        if marks and spent >= marks[0]:
+            while marks and spent >= marks[0]:
+                marks.pop(0)
+            keep(wall, clock["tokens"])
         print(f"  {cfg.algo.name} seed {tr.seed} step {batch.step + 1}: {wall:.0f}s, {clock['tokens']:.0f} tokens, "
-              f"reward {m.get('critic/score/mean', math.nan):.3f}"
-              + (f", held-out {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""), flush=True)
-        if budget_tokens is not None:
-            return clock["tokens"] < budget_tokens
-        return wall < budget_s
+              f"reward {m.get('critic/score/mean', math.nan):.3f}", flush=True)
+        return spent < budget
 
     try:
         clock["start"] = time.perf_counter()
-        done = pipe.train(0, 10**6, PromptStream(job.train_set, tr.seed, cfg.data.shuffle), on_step,
-                          eval_every=eval_every)
-        wall_s, tokens = published[done]
-        pipe.sync_weights(done)
-        final = pipe.evaluate(job.test_set, **eval_args)["eval/accuracy"]
+        done = pipe.train(0, 10**6, PromptStream(job.train_set, tr.seed, cfg.data.shuffle), on_step)
+        if not kept or kept[-1][0] != clock["wall"]:
+            keep(clock["wall"], clock["tokens"])  # the final weights
     finally:
         pipe.shutdown()
-    curve.append([wall_s, tokens, final])
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
-    out = {"seed": tr.seed, "curve": [[round(w, 2), t, a] for w, t, a in curve], "final_accuracy": final,
-           "wall_s": wall_s, "sampled_tokens": tokens, "steps": done,
+    out = {"seed": tr.seed, "wall_s": clock["wall"], "sampled_tokens": clock["tokens"], "steps": done,
            "tree_counters": {k.split("/", 1)[1]: total(k) for k in rows[0] if k.startswith("growth/")} if rows else {},
            "time": {"rollout_s": total("timing_s/gen"), "learner_s": total("timing_s/update_actor"),
-                    "learner_waiting_s": total("timing_s/wait"), "weight_sync_s": total("timing_s/update_weights"),
-                    "eval_s": clock["eval_s"]},
+                    "learner_waiting_s": total("timing_s/wait"), "weight_sync_s": total("timing_s/update_weights")},
            "trajectories": total("rollout/trajectories"),
            "shared_prefix_share": total("tree/shared_prefix_share") / max(len(rows), 1),
-           "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows]}
+           "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows],
+           "kept_weights": kept}
     if cfg.algo.name == "catpo":
         out["healing"] = {"attempts": total("catpo/heal_attempts"), "healed": total("catpo/healed"),
                           "errors": total("catpo/heal_errors"), "dead_wrong": total("catpo/dead_wrong"),
                           "generated_tokens": total("catpo/heal_generated_tokens"),
                           "prompt_tokens": total("catpo/heal_prompt_tokens")}
     return out
+
+
+def eval_args(cfg: TrainConfig) -> dict:
+    tr = cfg.trainer
+    return dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
+                samples=tr.eval_samples, temperature=tr.eval_temperature)
+
+
+def evaluate_runs(job, cfg: TrainConfig, runs: list[dict], base_accuracy: float) -> None:
+    """Score every run's kept weights on the held-out set (one evaluator for all) into its `curve`
+    ([wall_s, sampled_tokens, accuracy] rows from [0, 0, base]) and `final_accuracy`; `time.eval_s` is the
+    evaluation time, outside the run's clock."""
+    from treepo_ray.runtime.pipeline import Pipeline
+
+    ev = Pipeline.evaluator(cfg, job.model_path, job.tokenizer)
+    print(f"evaluating {sum(len(r['kept_weights']) for r in runs)} kept weights on {ev.pool.size} engines", flush=True)
+    try:
+        version = 0
+        for run in runs:
+            run["curve"], started = [[0.0, 0.0, base_accuracy]], time.perf_counter()
+            for wall, tokens, weights in run.pop("kept_weights"):
+                version += 1  # a fresh version each time: the engines drop every cache entry on a load
+                ev.pool.load_weights(weights, version)
+                run["curve"].append([round(wall, 2), tokens, ev.evaluate(job.test_set, **eval_args(cfg))["eval/accuracy"]])
+            run["final_accuracy"] = run["curve"][-1][2]
+            run["time"]["eval_s"] = time.perf_counter() - started
+            print(f"  evaluated seed {run['seed']}: {[round(a, 3) for _, _, a in run['curve']]}", flush=True)
+    finally:
+        ev.shutdown()
 
 
 def first_reaching(curve: list, target: float, column: int) -> float | None:
@@ -253,21 +287,22 @@ def main(argv: list[str] | None = None) -> int:
     first = cfgs[(args.algos[0], 0)]
     job = set_up(first)
     tr = first.trainer
-    pipe = Pipeline(first, job.model_path, job.tokenizer)  # the base model's accuracy, once for every run
+    ev = Pipeline.evaluator(first, job.model_path, job.tokenizer)  # the base model's accuracy, once for every run
     try:
-        base = pipe.evaluate(job.test_set, max_new_tokens=tr.eval_max_new_tokens or first.sampler_config.response_limit(),
-                             samples=tr.eval_samples, temperature=tr.eval_temperature)["eval/accuracy"]
+        base = ev.evaluate(job.test_set, **eval_args(first))["eval/accuracy"]
     finally:
-        pipe.shutdown()
+        ev.shutdown()
     print(f"base model: held-out accuracy {base:.3f} on {len(job.test_set)} problems", flush=True)
     algos: dict = {a: {"runs": []} for a in args.algos}
     for (algo, seed), cfg in cfgs.items():
-        algos[algo]["runs"].append(train_run(job, cfg, base, args.budget_s, args.budget_tokens, args.eval_every))
+        algos[algo]["runs"].append(train_run(job, cfg, args.budget_s, args.budget_tokens, args.eval_points))
+    evaluate_runs(job, first, [r for a in algos.values() for r in a["runs"]], base)
     summarise(algos)
     result = {"config": args.config, "overrides": overrides, "model": job.model_path,
               "budget": {"wall_s": args.budget_s} if args.budget_tokens is None else {"tokens": args.budget_tokens},
               "eval": f"pass@1: mean of {tr.eval_samples} answers per problem at temperature {tr.eval_temperature}, "
-                      f"{len(job.test_set)} held-out problems, every {args.eval_every} steps and at the end",
+                      f"{len(job.test_set)} held-out problems, at {args.eval_points} evenly spaced points of the budget "
+                      "and at the end (weights kept during training, scored after it, outside its clock)",
               "base_accuracy": base, "algorithms": algos, "treepo_vs_grpo": verdict(algos)}
     out_dir = Path(args.out or (Path(args.json).parent if args.json else f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"))
     out_dir.mkdir(parents=True, exist_ok=True)

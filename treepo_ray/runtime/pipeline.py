@@ -22,7 +22,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import ray
@@ -92,7 +92,9 @@ class RolloutBatch:
 class Pipeline:
     """The actors of one run (generator pool, schedulers, verifiers, learner group) and the loop over them."""
 
-    def __init__(self, cfg: TrainConfig, model_path: str, tokenizer):
+    def __init__(self, cfg: TrainConfig, model_path: str, tokenizer, train: bool = True):
+        """`train=False`: only the generator pool and the verifiers, for evaluating weights handed to the pool
+        (`pool.load_weights`); no schedulers, healer or learner."""
         rt = cfg.runtime
         self.cfg, self.tokenizer = cfg, tokenizer
         self.model_path = model_path
@@ -124,18 +126,34 @@ class Pipeline:
                      for i, v in enumerate(self.verifiers.verifiers)], rt.deadlines.start_s)
             # CATPO: the schedulers score each verified tree and send dead-wrong ones to the healer (its generation
             # runs on the same engines); like the schedulers it mostly waits, so it reserves no CPU.
-            self.healers = [self._start_healer()] if self._catpo is not None and self._catpo.heal else []
-            self.schedulers = [self._start_scheduler() for _ in range(rt.num_schedulers)]
-            started([(f"scheduler {i}", a, {}) for i, a in enumerate(self.schedulers)]
-                    + [("healer", a, {}) for a in self.healers], rt.deadlines.start_s)
-            # How weights reach the engines (path, the engines' dtype): asked of a running engine, before any export.
-            self.weight_sync = WeightSync.for_run(cfg, self.pool.engines()[0])
-            print(self.weight_sync.describe(), flush=True)
-            self.learner = self.build_learner()
+            if train:
+                self.healers = [self._start_healer()] if self._catpo is not None and self._catpo.heal else []
+                self.schedulers = [self._start_scheduler() for _ in range(rt.num_schedulers)]
+                started([(f"scheduler {i}", a, {}) for i, a in enumerate(self.schedulers)]
+                        + [("healer", a, {}) for a in self.healers], rt.deadlines.start_s)
+                # How weights reach the engines (path, the engines' dtype): asked of a running engine, before any
+                # export.
+                self.weight_sync = WeightSync.for_run(cfg, self.pool.engines()[0])
+                print(self.weight_sync.describe(), flush=True)
+                self.learner = self.build_learner()
         except BaseException:
             self.shutdown()  # a run that cannot start leaves no actor behind
             raise
         self.pool.start()  # only now: growth takes free room, which the actors above needed first
+
+    @classmethod
+    def evaluator(cls, cfg: TrainConfig, model_path: str, tokenizer) -> "Pipeline":
+        """Engines and verifiers only (`train=False`), as many engines as the cluster has room for now: after a
+        run, the learner's CPUs or GPUs evaluate too."""
+        rt = cfg.runtime
+        demand = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
+                            rt.engine_gpus, rt.engine_resources).demand()
+        free = dict(ray.available_resources())
+        free["CPU"] = free.get("CPU", 0.0) - rt.num_verifiers * rt.verifier_cpus
+        fits = [int(free.get(k, 0.0) // v) for k, v in demand.items() if v > 0]
+        runtime = replace(rt, num_engines=max(1, min(fits) if fits else rt.num_engines),
+                          elastic=replace(rt.elastic, max_engines=0))
+        return cls(replace(cfg, runtime=runtime), model_path, tokenizer, train=False)
 
     def build_learner(self) -> LearnerGroup:
         """A new learner group with the base weights (also what replaces a lost one, see recovery.py)."""
