@@ -15,7 +15,7 @@ import numpy as np
 from treepo_ray.algo.advantages import dapo_keep_group, grpo_advantages, treepo_scores, whiten
 from treepo_ray.algo.treerpo import treerpo_advantages
 from treepo_ray.tree.growth import growth_counters
-from treepo_ray.tree.tree import FINISH_REASONS, Tree
+from treepo_ray.tree.tree import Tree
 
 ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 
@@ -144,9 +144,7 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_lim
     growth = [t.meta.get("growth", {}) for t in trees]
     for key in ("branches", "fallbacks", "surplus_dropped"):
         out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
-    for reason in FINISH_REASONS[1:]:
-        out[f"tree/stop_{reason}"] = float(sum(g.get(f"finish/{reason}", 0) for g in growth))
-    out.update(growth_counters(trees))  # growth/<mechanism>: this batch's totals (summary.json, compare)
+    out.update(growth_counters(trees))  # growth/<mechanism>, stop reasons included: this batch's totals
     return out
 
 
