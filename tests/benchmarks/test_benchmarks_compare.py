@@ -77,6 +77,7 @@ def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
         assert one["wall_s"] >= 1.0 and one["sampled_tokens"] > 0 and one["steps"] >= 1
         assert "time_to_grpo_final_s" in a and "tokens_to_grpo_final" in a
     assert r["algorithms"]["treepo"]["tree_counters"]["branches"] > 0
+    assert r["eval_engines"] == 2  # training over: the learner's CPU evaluates too (one engine CPU each)
     assert r["algorithms"]["grpo"]["time_to_grpo_final_s"] is not None  # GRPO reaches its own final accuracy
     for png in r["plots"]:
         assert open(png, "rb").read(4) == b"\x89PNG"

@@ -141,10 +141,10 @@ def eval_args(cfg: TrainConfig) -> dict:
                 samples=tr.eval_samples, temperature=tr.eval_temperature)
 
 
-def evaluate_runs(job, cfg: TrainConfig, runs: list[dict], base_accuracy: float) -> None:
+def evaluate_runs(job, cfg: TrainConfig, runs: list[dict], base_accuracy: float) -> int:
     """Score every run's kept weights on the held-out set (one evaluator for all) into its `curve`
     ([wall_s, sampled_tokens, accuracy] rows from [0, 0, base]) and `final_accuracy`; `time.eval_s` is the
-    evaluation time, outside the run's clock."""
+    evaluation time, outside the run's clock. Returns the evaluator's number of engines."""
     from treepo_ray.runtime.pipeline import Pipeline
 
     ev = Pipeline.evaluator(cfg, job.model_path, job.tokenizer)
@@ -160,6 +160,7 @@ def evaluate_runs(job, cfg: TrainConfig, runs: list[dict], base_accuracy: float)
             run["final_accuracy"] = run["curve"][-1][2]
             run["time"]["eval_s"] = time.perf_counter() - started
             print(f"  evaluated seed {run['seed']}: {[round(a, 3) for _, _, a in run['curve']]}", flush=True)
+        return ev.pool.size
     finally:
         ev.shutdown()
 
@@ -296,13 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     algos: dict = {a: {"runs": []} for a in args.algos}
     for (algo, seed), cfg in cfgs.items():
         algos[algo]["runs"].append(train_run(job, cfg, args.budget_s, args.budget_tokens, args.eval_points))
-    evaluate_runs(job, first, [r for a in algos.values() for r in a["runs"]], base)
+    eval_engines = evaluate_runs(job, first, [r for a in algos.values() for r in a["runs"]], base)
     summarise(algos)
     result = {"config": args.config, "overrides": overrides, "model": job.model_path,
               "budget": {"wall_s": args.budget_s} if args.budget_tokens is None else {"tokens": args.budget_tokens},
               "eval": f"pass@1: mean of {tr.eval_samples} answers per problem at temperature {tr.eval_temperature}, "
                       f"{len(job.test_set)} held-out problems, at {args.eval_points} evenly spaced points of the budget "
                       "and at the end (weights kept during training, scored after it, outside its clock)",
+              "eval_engines": eval_engines,
               "base_accuracy": base, "algorithms": algos, "treepo_vs_grpo": verdict(algos)}
     out_dir = Path(args.out or (Path(args.json).parent if args.json else f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -142,16 +142,24 @@ class Pipeline:
         self.pool.start()  # only now: growth takes free room, which the actors above needed first
 
     @classmethod
-    def evaluator(cls, cfg: TrainConfig, model_path: str, tokenizer) -> "Pipeline":
-        """Engines and verifiers only (`train=False`), as many engines as the cluster has room for now: after a
-        run, the learner's CPUs or GPUs evaluate too."""
+    def evaluator(cls, cfg: TrainConfig, model_path: str, tokenizer, settle_s: float = 10.0) -> "Pipeline":
+        """Engines and verifiers only (`train=False`), as many engines as the cluster has room for: after a run,
+        the learner's CPUs or GPUs evaluate too. A pipeline just shut down gives its room back within seconds
+        (its actors exit asynchronously): up to `settle_s` is waited for the free room to reach the whole cluster's,
+        then what is free is taken."""
         rt = cfg.runtime
         demand = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
                             rt.engine_gpus, rt.engine_resources).demand()
-        free = dict(ray.available_resources())
-        free["CPU"] = free.get("CPU", 0.0) - rt.num_verifiers * rt.verifier_cpus
-        fits = [int(free.get(k, 0.0) // v) for k, v in demand.items() if v > 0]
-        runtime = replace(rt, num_engines=max(1, min(fits) if fits else rt.num_engines),
+
+        def fitting(room: dict) -> int:
+            room = {**room, "CPU": room.get("CPU", 0.0) - rt.num_verifiers * rt.verifier_cpus}
+            fits = [int(room.get(k, 0.0) // v) for k, v in demand.items() if v > 0]
+            return min(fits) if fits else rt.num_engines
+
+        end = time.monotonic() + settle_s
+        while fitting(ray.available_resources()) < fitting(ray.cluster_resources()) and time.monotonic() < end:
+            time.sleep(0.5)
+        runtime = replace(rt, num_engines=max(1, fitting(ray.available_resources())),
                           elastic=replace(rt.elastic, max_engines=0))
         return cls(replace(cfg, runtime=runtime), model_path, tokenizer, train=False)
 
