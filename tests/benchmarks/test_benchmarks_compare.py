@@ -53,17 +53,22 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert main(["--seeds", "0"]) == 2
 
 
-@pytest.mark.slow
-def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
-    out = tmp_path / "cmp.json"
+def small_run(tiny: str) -> list[str]:
+    """Overrides of a compare run of the tiny model on small trees (2 prompts, 4 paths of 2 x 8 tokens)."""
     cache = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
-    args = ["--algos", "grpo,treepo", "--seeds", "1", "--budget-s", "1", "--eval-points", "1", "--json", str(out),
-            f"model.path={tiny}", f"model.cache_dir={cache}", "trainer.eval_size=4", "trainer.prompts_per_step=2",
+    return [f"model.path={tiny}", f"model.cache_dir={cache}", "trainer.eval_size=4", "trainer.prompts_per_step=2",
             "rollout.treepo.width=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
             "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # 2 x 8 tokens: in the context
             "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "algo.dynamic_sampling=false", "log.wandb=false"]
+
+
+@pytest.mark.slow
+def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
+    out = tmp_path / "cmp.json"
+    args = ["--algos", "grpo,treepo", "--seeds", "1", "--budget-s", "1", "--eval-points", "1", "--json", str(out),
+            *small_run(tiny)]
     assert main(args) == 0
     r = json.loads(out.read_text())
     for name in ("grpo", "treepo"):
@@ -81,3 +86,16 @@ def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
     assert r["algorithms"]["grpo"]["time_to_grpo_final_s"] is not None  # GRPO reaches its own final accuracy
     for png in r["plots"]:
         assert open(png, "rb").read(4) == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_weights_sent_by_broadcast_are_kept_for_evaluation_too(ray_local, tiny, tmp_path):
+    # A broadcast version lives on learner rank 0 and is dropped once engines moved on: compare exports a copy of
+    # the kept ones, and the evaluator (after the learner is gone) scores each.
+    out = tmp_path / "cmp.json"
+    args = ["--algos", "treepo", "--seeds", "1", "--budget-tokens", "600", "--eval-points", "2", "--json", str(out),
+            *small_run(tiny), "runtime.weights.path=broadcast"]
+    assert main(args) == 0
+    (one,) = json.loads(out.read_text())["algorithms"]["treepo"]["runs"]
+    tokens = [t for _, t, _ in one["curve"]]  # base, after 200 and 400 tokens, final (>= 600)
+    assert len(tokens) == 4 and 200 <= tokens[1] < 400 <= tokens[2] < 600 <= tokens[3] == one["sampled_tokens"]
