@@ -93,7 +93,7 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     clock = {"start": 0.0, "tokens": 0.0, "wall": 0.0}
 
     def keep(wall: float, tokens: float) -> None:
-        version, weights = pipe.learner.published  # the weights of the step just trained
+        _, weights = pipe.learner.published  # the weights of the step just trained
         if not isinstance(weights, ObjectStoreWeights):  # a broadcast version lives on the learner: take a copy
             weights = pipe.learner.export_weights()
         kept.append((wall, tokens, weights))
