@@ -93,7 +93,9 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
     pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
     clean, faulty, caught = [], [], []
     # Synchronous (max_staleness 0): after step k is trained the producer grows batch k + 1, so an engine is busy
-    # when the kill looks for one (with a staleness of 1 the last batch may be grown already and nothing is running).
+    # when the kill looks for one (with a staleness of 1 the last batch may be grown already and nothing is running);
+    # and the engines' decode steps slowed down, so a batch of these tiny trees keeps them busy for longer than a
+    # look takes on a loaded machine.
     kills = {3: "ray", 4: "signal"}
 
     def on_faulty_step(batch, metrics):
@@ -104,6 +106,8 @@ def test_engines_killed_mid_segment_change_nothing_but_wall_time(ray_local, tiny
 
     try:
         assert pipe.train(0, 3, PromptStream(run.train_set, 0), lambda b, m: clean.append((b, m)) or True, 4) == 3
+        for engine in pipe.pool.engines():
+            slow_steps(engine, 0.03)
         assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4, max_staleness=0) == 6
         assert caught == [True, True]
         deadline = time.monotonic() + 60
@@ -139,6 +143,20 @@ def busy_engine(pipe):
             return next(e for e in pipe.pool.engines() if actor_id(e) == busy[0])
         time.sleep(0.005)
     return None
+
+
+def slow_steps(engine, seconds: float) -> None:
+    """Make each of the engine's decode steps take `seconds` longer (same results, only later)."""
+    def arm(actor):
+        step = actor.engine.step
+
+        def slow():
+            time.sleep(seconds)
+            return step()
+
+        actor.engine.step = slow
+
+    ray.get(engine.__ray_call__.remote(arm), timeout=30)
 
 
 def fail_next_step(engine) -> None:
@@ -178,6 +196,8 @@ def test_a_stuck_engine_and_an_engine_error_are_replaced_and_change_nothing(ray_
 
     try:
         assert pipe.train(0, 3, PromptStream(run.train_set, 0), lambda b, m: clean.append((b, m)) or True, 4) == 3
+        for engine in pipe.pool.engines():
+            slow_steps(engine, 0.03)  # as above: busy for longer than a look takes
         start = time.monotonic()
         assert pipe.train(3, 6, PromptStream(run.train_set, 0), on_faulty_step, 4, max_staleness=0) == 6
         took = time.monotonic() - start

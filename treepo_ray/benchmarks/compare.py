@@ -82,7 +82,6 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     rollout while the learner went on training for free)."""
     from treepo_ray.data.prompts import PromptStream
     from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.weights import ObjectStoreWeights
 
     tr = cfg.trainer
     budget = budget_s if budget_tokens is None else budget_tokens
@@ -93,10 +92,7 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     clock = {"start": 0.0, "tokens": 0.0, "wall": 0.0}
 
     def keep(wall: float, tokens: float) -> None:
-        _, weights = pipe.learner.published  # the weights of the step just trained
-        if not isinstance(weights, ObjectStoreWeights):  # a broadcast version lives on the learner: take a copy
-            weights = pipe.learner.export_weights()
-        kept.append((wall, tokens, weights))
+        kept.append((wall, tokens, pipe.learner.kept_copy()))  # the weights of the step just trained
 
     def on_step(batch, m: dict) -> bool:
         clock["tokens"] += m.get("rollout/sampled_tokens", 0.0)

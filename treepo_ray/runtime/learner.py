@@ -16,8 +16,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treepo_ray.job.config import DeadlineConfig
 from treepo_ray.runtime.engine import limit_threads, release_placement
-from treepo_ray.runtime.liveness import get, started
-from treepo_ray.runtime.weights import WeightSync
+from treepo_ray.runtime.liveness import DeadlineExceeded, get, started
+from treepo_ray.runtime.weights import ObjectStoreWeights, WeightSync
 
 
 @ray.remote(concurrency_groups={"weights": 1})
@@ -182,6 +182,20 @@ class LearnerGroup:
     def export_weights(self):
         """ObjectRef of the full weights (rank 0 gathers them; every rank must take part)."""
         return [r.export_weights.remote() for r in self.ranks][0]
+
+    def kept_copy(self):
+        """The newest published weights as something the generator pool can load after this group is gone: an
+        object-store version as it is, a broadcast one (held by rank 0) exported whole. Waited for: exports run
+        asynchronously, and closing the group under one would lose it."""
+        _, weights = self.published
+        if not isinstance(weights, ObjectStoreWeights):
+            weights = self.export_weights()
+        ref = weights.packed if isinstance(weights, ObjectStoreWeights) else weights
+        done, _ = ray.wait([ref], timeout=self.deadlines.call_s, fetch_local=False)
+        if not done:
+            raise DeadlineExceeded(f"learner exporting weights: not done within {self.deadlines.call_s:g}s "
+                                   "(runtime.deadlines.call_s)")
+        return weights
 
     def save_checkpoint(self, directory: str, trainer_state: dict) -> str:
         refs = [r.save_checkpoint.remote(directory, trainer_state) for r in self.ranks]
