@@ -188,9 +188,10 @@ class LearnerGroup:
         object-store version as it is, a broadcast one (held by rank 0) exported whole. Waited for: exports run
         asynchronously, and closing the group under one would lose it."""
         _, weights = self.published
-        if not isinstance(weights, ObjectStoreWeights):
-            weights = self.export_weights()
-        ref = weights.packed if isinstance(weights, ObjectStoreWeights) else weights
+        if isinstance(weights, ObjectStoreWeights):
+            ref = weights.packed
+        else:
+            weights = ref = self.export_weights()
         done, _ = ray.wait([ref], timeout=self.deadlines.call_s, fetch_local=False)
         if not done:
             raise DeadlineExceeded(f"learner exporting weights: not done within {self.deadlines.call_s:g}s "

@@ -100,8 +100,7 @@ class Pipeline:
         self.model_path = model_path
         # The generator pool replaces lost engines and grows where Ray reports room (pool.py); verifiers are
         # retried and what still fails is left out of the loss (verifier.py). Both report to one registry of faults.
-        spec = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
-                          rt.engine_gpus, rt.engine_resources)
+        spec = EngineSpec.of(cfg, model_path)
         self.pool = GeneratorPool(spec, rt.num_engines, rt.elastic.max_engines, rt.elastic.poll_s,
                                   rt.faults.max_resends, rt.faults.engine_wait_s, rt.elastic.startup_timeout_s,
                                   deadlines=rt.deadlines, max_engine_errors=rt.faults.max_engine_errors)
@@ -148,8 +147,7 @@ class Pipeline:
         (its actors exit asynchronously): up to `settle_s` is waited for the free room to reach the whole cluster's,
         then what is free is taken."""
         rt = cfg.runtime
-        demand = EngineSpec(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
-                            rt.engine_gpus, rt.engine_resources).demand()
+        demand = EngineSpec.of(cfg, model_path).demand()
 
         def fitting(room: dict) -> int:
             room = {**room, "CPU": room.get("CPU", 0.0) - rt.num_verifiers * rt.verifier_cpus}

@@ -80,6 +80,13 @@ class EngineSpec:
                              f"{tp}: each engine needs {tp} GPUs")
         weakref.finalize(self, _release_all, self.groups)  # a dropped pool's engines die; their groups go too
 
+    @classmethod
+    def of(cls, cfg, model_path: str) -> "EngineSpec":
+        """The engines of a run's config (model.engine, runtime.engine_*)."""
+        rt = cfg.runtime
+        return cls(cfg.model.engine, model_path, cfg.model.engine_kwargs, rt.torch_threads, rt.engine_cpus,
+                   rt.engine_gpus, rt.engine_resources)
+
     def demand(self) -> dict[str, float]:
         want = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         return {k: float(v) for k, v in want.items() if v}
