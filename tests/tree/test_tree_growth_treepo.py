@@ -1,4 +1,3 @@
-import math
 
 import numpy as np
 import pytest
@@ -65,7 +64,7 @@ def test_budget_transfer_round_by_round():
     assert all(t.finish[n] != "none" and not t.children(n) for n in t.trajectories)
     st = g.stats()
     assert st["finish/eos"] == 14 and st["finish/boxed"] == 1 and st["finish/repetition"] == 1
-    assert st["asks"] == 13 and st["rounds"] == 5 and st["fallbacks"] == 0 and st["surplus_dropped"] == 0
+    assert st["asks"] == 13 and st["rounds"] == 5 and st["fallbacks"] == 0
     assert st["branches"] == 11  # asks with n >= 2: the root, then 2 + 3 + 5 in rounds 1-3
     # Rounds 2 and 3 gave the finished paths' budget to the survivors (8 > b * 3 = 6, 12 > b * 5 = 10); in
     # round 4 the 2 survivors get only what is missing, which their own budget covers.
@@ -128,12 +127,19 @@ def test_random_initial_divergence_still_gives_w():
 
 
 def test_logprob_allocation_hand_computed():
-    # softmax([-1, -3, -9] / 2) = [0.7214, 0.2654, 0.0132]; x 8 = [5.77, 2.12, 0.11] -> [6, 2, max(1, 0)]
-    assert allocate_logprob(8, [-1.0, -3.0, -9.0], 2.0, +1.0) == [6, 2, 1]
-    # low: softmax([1, 3, 9] / 2) x 8 = [0.14, 0.37, 7.49] -> [1, 1, 7]
-    assert allocate_logprob(8, [-1.0, -3.0, -9.0], 2.0, -1.0) == [1, 1, 7]
+    # softmax([-1, -3, -9] / 2) = [0.7214, 0.2654, 0.0132]; x 8 = [5.77, 2.12, 0.11] -> [6, 2, max(1, 0)], 9 in
+    # all: the one past the budget comes off the largest share
+    assert allocate_logprob(8, [-1.0, -3.0, -9.0], 2.0, +1.0) == [5, 2, 1]
+    # low: softmax([1, 3, 9] / 2) x 8 = [0.14, 0.37, 7.49] -> [1, 1, 7] -> [1, 1, 6]
+    assert allocate_logprob(8, [-1.0, -3.0, -9.0], 2.0, -1.0) == [1, 1, 6]
     # a high temperature flattens it: near uniform
     assert allocate_logprob(8, [-1.0, -3.0], 1000.0, +1.0) == [4, 4]
+    # equal log-probs: x 8 = [2.67] * 3 -> [3, 3, 3], one past the budget off the first largest
+    assert allocate_logprob(8, [-1.0, -1.0, -1.0], 1.0, +1.0) == [2, 3, 3]
+    # below the budget stays below (fallback makes it up): x 8 = [3.44, 3.44, 1.12] -> [3, 3, 1]
+    assert allocate_logprob(8, [-1.0, -1.0, -2.12], 1.0, +1.0) == [3, 3, 1]
+    # as many paths as the budget: one each, whatever the log-probs
+    assert allocate_logprob(3, [-1.0, -30.0, -60.0], 0.5, +1.0) == [1, 1, 1]
 
 
 @pytest.mark.parametrize("policy", ["logprob_high", "logprob_low"])
@@ -191,12 +197,14 @@ def test_temperature_may_change_between_rounds():
     c.logprob_temperature = 0.1  # a schedule lowers T for the next round
     for a in asks:
         answer(a)
-    # softmax([-1, -8, -1, -8] / 0.1) = [.5, 0, .5, 0]: x 8 -> [4, 0, 4, 0], and every path gets one at least
-    assert [a.n for a in g.asks()] == [4, 1, 4, 1]
+    # softmax([-1, -8, -1, -8] / 0.1) = [.5, 0, .5, 0]: x 8 -> [4, 0, 4, 0], every path gets one at least, and the
+    # two past the budget of 8 come off the largest shares
+    assert [a.n for a in g.asks()] == [3, 1, 3, 1]
 
 
-def test_surplus_from_rounding_is_dropped_and_counted():
-    # w = 4; round 1 log-probs -1 and -3 at T = 1: softmax x 4 = [3.52, 0.48] -> [4, 1]: 5 paths for 4 slots.
+def test_rounding_never_grows_a_path_past_the_width():
+    # w = 4; round 1 log-probs -1 and -3 at T = 1: softmax x 4 = [3.52, 0.48] -> [4, 1] by the paper's rounding,
+    # 5 paths for 4 trajectories; capped at the budget: [3, 1], and every grown path is a trajectory.
     def script(tree, ask, j, k):
         if tree.depth[ask.node] == 0:
             return child(ask, j, "go", -0.25 if j == 0 else -0.75)
@@ -205,18 +213,9 @@ def test_surplus_from_rounding_is_dropped_and_counted():
     g = grower(cfg(width=4, divergence_policy="logprob_high", logprob_temperature=1.0))
     drive(g, script)
     t = g.tree
-    assert g.history[0].shares == [4, 1]
+    assert g.history[0].shares == [3, 1]
     finished = [n for n in range(len(t)) if t.finish[n] != "none"]
-    assert len(finished) == 5 and len(t.trajectories) == 4 and set(t.trajectories) < set(finished)
-    assert g.stats()["surplus_dropped"] == 1
-    # Rewards propagate over the kept trajectories; the dropped leaf holds no reward and is skipped.
-    t.set_trajectory_rewards([1.0, 0.0, 1.0, 1.0])
-    (dropped,) = set(finished) - set(t.trajectories)
-    assert math.isnan(t.reward[dropped])
-    kept = {n: t.reward[n] for n in t.trajectories}
-    for p in (1, 2):
-        vals = [kept[c] for c in t.children(p) if c in kept]
-        assert t.reward[p] == pytest.approx(sum(vals) / len(vals)) if vals else math.isnan(t.reward[p])
+    assert sorted(finished) == sorted(t.trajectories) and len(finished) == 4
 
 
 # ---- fallback -----------------------------------------------------------------------------------------------------

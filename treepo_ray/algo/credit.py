@@ -142,7 +142,7 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_lim
     if response_limit and lengths:
         out["response_length/clip_ratio"] = float(np.mean([n >= response_limit for n in lengths]))
     growth = [t.meta.get("growth", {}) for t in trees]
-    for key in ("branches", "fallbacks", "surplus_dropped"):
+    for key in ("branches", "fallbacks"):
         out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
     out.update(growth_counters(trees))  # growth/<mechanism>, stop reasons included: this batch's totals
     return out

@@ -227,8 +227,7 @@ class Grower:
         self._done = False
         self.align = 0
         """Segment alignment (PathLimits.segment_align); subclasses set it before their first ask."""
-        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "surplus_dropped": 0,
-                                       "budget_transfers": 0, "logprob_branchings": 0, "random_divergence": 0}
+        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "budget_transfers": 0, "logprob_branchings": 0, "random_divergence": 0}
         for reason in FINISH_REASONS[1:]:
             self._stats[f"finish/{reason}"] = 0
 
@@ -281,7 +280,7 @@ class Grower:
 
     def stats(self) -> dict:
         """Counters: asks, segments (nodes received), branches (asks with n >= 2), fallbacks, finish/<reason> (one
-        per finished node, dropped surplus included), surplus_dropped, max_depth_reached, trajectories; TreePO's
+        per finished node), max_depth_reached, trajectories; TreePO's
         budget_transfers, logprob_branchings and random_divergence (0 for the other growers), rounds and
         init_divergence."""
         out = dict(self._stats)
@@ -331,13 +330,8 @@ class Grower:
     def _idle(self) -> bool:
         return not self._ready and not self._outstanding
 
-    def _close(self, keep: int | None = None) -> None:
-        """Final trajectories: every finished node, `keep` of them at most (the surplus dropped at random)."""
-        ends = list(self._finished)
-        if keep is not None and len(ends) > keep:
-            drop = set(int(i) for i in self.rng.choice(len(ends), size=len(ends) - keep, replace=False))
-            ends = [n for i, n in enumerate(ends) if i not in drop]
-            self._stats["surplus_dropped"] += len(drop)
-        self.tree.trajectories = ends
+    def _close(self) -> None:
+        """Final trajectories: every finished node."""
+        self.tree.trajectories = list(self._finished)
         self._done = True
         self.tree.meta["growth"] = self.stats()

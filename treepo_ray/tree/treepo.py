@@ -15,8 +15,8 @@ Depth-first fallback: only when the prompt has no active path left and fewer tha
 path that holds a boxed answer or ended on EOS is branched again from the end of the segment *before* its last
 one (its last node's parent: "the segment before termination", so the new children are alternatives to the
 terminal segment), asking for the missing number of children; from the prompt when no path qualifies. The new
-paths then grow like any active path. The prompt ends with exactly w trajectories (any surplus, which only the
-rounding of log-prob allocation can create, is dropped at random and counted).
+paths then grow like any active path. The prompt ends with exactly w trajectories: no round asks past the budget
+(log-prob allocation's rounding is capped), so no path is ever grown only to be dropped.
 """
 
 from __future__ import annotations
@@ -115,17 +115,24 @@ def allocate_uniform(total: int, active: int, rng: np.random.Generator) -> list[
 
 
 def allocate_logprob(total: int, segment_logprobs: list[float], temperature: float, sign: float) -> list[int]:
-    """Path k gets max(1, round(p_k * total)) with p = softmax(sign * logprob / T) (TreePO section 4.4).
+    """Path k gets max(1, round(p_k * total)) with p = softmax(sign * logprob / T) (TreePO section 4.4), capped
+    at the budget.
 
-    Rounding is half-up. The shares may sum to a little more or less than `total`: less is made up by fallback,
-    more is dropped as surplus at the end.
+    Rounding is half-up. The shares may sum to a little less than `total` (made up by fallback), never to more:
+    what the rounding and the one-child floor give past `total` comes off the largest shares, one child at a time
+    (each path keeps one at least; `total` >= the number of paths, see branch_budget). A path asked for past the
+    budget would be grown to its end and then dropped, since a prompt keeps w trajectories: with a peaked softmax
+    (T = 5 over 32-token segments) that was 2.3 paths per 8-path tree, 17% of the tree's sampled tokens.
     """
     if not temperature > 0:
         raise ValueError(f"logprob_temperature must be > 0, got {temperature}")
     z = sign * np.asarray(segment_logprobs, dtype=np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
-    return [max(1, math.floor(float(pk) * total + 0.5)) for pk in p]
+    shares = [max(1, math.floor(float(pk) * total + 0.5)) for pk in p]
+    for _ in range(sum(shares) - max(total, len(shares))):
+        shares[int(np.argmax(shares))] -= 1
+    return shares
 
 
 @dataclass
@@ -202,7 +209,7 @@ class TreePOGrower(Grower):
         if finished < cfg.width:
             self._fallback(cfg.width - finished)
         else:
-            self._close(keep=cfg.width)
+            self._close()
 
     def fallback_candidates(self) -> list[int]:
         """Finished trajectory ends that fallback may branch from (boxed answer or EOS), oldest first."""
