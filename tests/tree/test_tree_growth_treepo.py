@@ -1,4 +1,3 @@
-
 import numpy as np
 import pytest
 from scripted_engine import EOS, by_round, canonical, child, decode, drive

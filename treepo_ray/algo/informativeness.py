@@ -94,7 +94,7 @@ def informativeness_weights(F) -> np.ndarray:
 def tree_informativeness(tree: Tree) -> tuple[float, float]:
     """F(T) and p of a scored Tree: its trajectories' rewards as leaves, every rewarded node's summed log-prob.
 
-    Nodes without a reward (NaN: none on a grown tree; a tree built by hand may have them) are left out of the correlation.
+    Nodes without a reward (NaN: no trajectory below them) are left out of the correlation.
     """
     leaf_rewards = [tree.reward[n] for n in tree.trajectories]
     nodes = [0] + [n for n in range(1, len(tree)) if np.isfinite(tree.reward[n])]

@@ -73,7 +73,7 @@ class HealResult:
 def find_failure_node(tree: Tree, epsilon: float = 0.05) -> int | None:
     """Breadth-first from the root: the first node with children whose children all have reward < epsilon.
 
-    Children whose subtree carries no reward (NaN: none on a grown tree; a tree built by hand may have them) do not count; a node needs at least
+    Children whose subtree carries no reward (NaN: no trajectory below them) do not count; a node needs at least
     one rewarded child. Returns None when no node qualifies.
     """
     children: dict[int, list[int]] = {}

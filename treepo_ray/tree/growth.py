@@ -227,7 +227,8 @@ class Grower:
         self._done = False
         self.align = 0
         """Segment alignment (PathLimits.segment_align); subclasses set it before their first ask."""
-        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "budget_transfers": 0, "logprob_branchings": 0, "random_divergence": 0}
+        self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "budget_transfers": 0,
+                                       "logprob_branchings": 0, "random_divergence": 0}
         for reason in FINISH_REASONS[1:]:
             self._stats[f"finish/{reason}"] = 0
 
@@ -280,9 +281,8 @@ class Grower:
 
     def stats(self) -> dict:
         """Counters: asks, segments (nodes received), branches (asks with n >= 2), fallbacks, finish/<reason> (one
-        per finished node), max_depth_reached, trajectories; TreePO's
-        budget_transfers, logprob_branchings and random_divergence (0 for the other growers), rounds and
-        init_divergence."""
+        per finished node), max_depth_reached, trajectories; TreePO's budget_transfers, logprob_branchings and
+        random_divergence (0 for the other growers), rounds and init_divergence."""
         out = dict(self._stats)
         out["max_depth_reached"] = max(self.tree.depth)
         out["trajectories"] = len(self.tree.trajectories)
