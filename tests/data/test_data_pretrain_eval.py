@@ -27,6 +27,7 @@ SMALL = PretrainConfig(
     eval_problems=6,
     eval_samples=2,
     eval_max_new_tokens=24,
+    min_pass1=0.0,
 )
 
 
@@ -62,10 +63,34 @@ def test_pretraining_is_deterministic_in_the_seed(base_model, tmp_path):
     assert other.name != path.name
 
 
+def test_training_goes_on_until_the_check_reaches_min_pass1(base_model, tmp_path):
+    _, path = base_model
+    # An unreachable floor: the budget is extended check_every steps at a time up to max_extra_steps, checked at
+    # every extension; the first `steps` steps are those of the fixed budget (same data, same learning rates).
+    logs = []
+    longer = PretrainConfig(**{**SMALL.__dict__, "min_pass1": 1.0, "check_every": 2, "max_extra_steps": 4,
+                               "check_problems": 3})
+    ext = prepare_base_model(tmp_path / "x", seed=0, cfg=longer, log=logs.append)
+    ev = json.loads((ext / "base_eval.json").read_text())
+    assert ev["steps"] == SMALL.steps + 4
+    assert [step for step, _ in ev["checks"]] == [SMALL.steps, SMALL.steps + 2]
+    assert all(0.0 <= acc < 1.0 for _, acc in ev["checks"])
+    assert sum("check pass@1" in line for line in logs) == 2
+    w0, w1 = (load_file(p / "model.safetensors") for p in (path, ext))
+    assert not all(torch.equal(w0[k], w1[k]) for k in w0)  # trained further
+    short = PretrainConfig(**{**longer.__dict__, "max_extra_steps": 0})
+    same = prepare_base_model(tmp_path / "y", seed=0, cfg=short, log=lambda *_: None)
+    assert json.loads((same / "base_eval.json").read_text())["checks"] == []
+    w2 = load_file(same / "model.safetensors")
+    assert all(torch.equal(w0[k], w2[k]) for k in w0)  # no extension: the fixed budget's model, bit for bit
+    with pytest.raises(ValueError, match="check_every"):
+        PretrainConfig(**{**longer.__dict__, "check_every": 0})
+
+
 def test_pretrain_command(tmp_path, capsys):
     args = ["--out", str(tmp_path / "m"), "steps=2", "batch_size=4", "eval_problems=2", "eval_samples=1",
             "eval_max_new_tokens=8", "model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=1",
-            "model.num_heads=2", "model.num_kv_heads=1"]
+            "model.num_heads=2", "model.num_kv_heads=1", "min_pass1=0"]
     assert pretrain_main(args) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["model"] == str(tmp_path / "m") and 0.0 <= line["pass@1"] <= 1.0  # the default task: running sums

@@ -108,7 +108,7 @@ def is_test_problem(question: str) -> bool:
     return zlib.crc32(question.encode()) % _TEST_BUCKETS == 0
 
 
-def make_problems(n: int, cfg: SyntheticTaskConfig | ChainTaskConfig, seed: int, split: str = "train",
+def make_problems(n: int, cfg: SyntheticTaskConfig | ChainTaskConfig, seed: int | str, split: str = "train",
                   unique: bool = True) -> list[Problem]:
     """`n` random problems of the task `cfg` configures, of the given split ('train' or 'test'), deterministic in
     `seed`; distinct ones unless `unique` is off (ValueError when the split holds fewer than `n` distinct
