@@ -219,3 +219,28 @@ def test_packed_logprobs_equal_per_path_ones_in_each_model_family(family):
     for runs in per_node.values():
         for other in runs[1:]:  # every path through a node, and the packed pass, agree
             torch.testing.assert_close(other, runs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_gather_groups_blocks_of_about_one_size_at_the_least_padded_cost():
+    from itertools import combinations
+
+    from treepo_ray.learner.tree_attention import GROUP_COST, _split_by_size
+
+    def cost(groups, sizes):
+        return sum(len(g) * max(sizes[i][0] for i in g) * max(sizes[i][1] for i in g) + GROUP_COST for g in groups)
+
+    # Paths that end early and late: two groups beat one padded to the longest, and every block is placed once.
+    sizes = [(32, 64)] * 6 + [(224, 288)] * 6
+    groups = _split_by_size(sizes)
+    assert sorted(i for g in groups for i in g) == list(range(12))
+    assert sorted(len(g) for g in groups) == [6, 6] and cost(groups, sizes) < cost([list(range(12))], sizes)
+    assert _split_by_size([(40, 90)] * 5) == [[0, 1, 2, 3, 4]]  # one size: one call
+    # No cut of the keys-sorted order does better (brute force over every cut of small random sets).
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(1, 8))
+        sizes = [(int(q), int(q + rng.integers(0, 300))) for q in rng.integers(1, 250, n)]
+        order = sorted(range(n), key=lambda i: (-sizes[i][1], -sizes[i][0]))
+        best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (n,))], sizes)
+                   for r in range(n) for cuts in combinations(range(1, n), r))
+        assert cost(_split_by_size(sizes), sizes) == best
