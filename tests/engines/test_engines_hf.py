@@ -209,22 +209,63 @@ def test_padded_embedding_rows_are_never_sampled(padded_model_dir):
     assert all(t < 258 for r in results for c in r.children for t in c.token_ids)
 
 
-def test_load_weights_swaps_in_place_clears_caches_and_reports_the_version(model_dir, tmp_path):
-    engine = HFEngine(model_dir, num_threads=1)
-    (a,) = generate(engine, [req("a", PROMPT, 6, params=GREEDY)])
+def flipped(model_dir):
+    """The model with its MLP weights scaled by -1.5: a policy that samples differently."""
     new = hf_model(model_dir)
     with torch.no_grad():
         for name, p in new.named_parameters():
             if "mlp" in name:
                 p.mul_(-1.5)
+    return new
+
+
+def test_load_weights_swaps_in_place_keeps_held_caches_and_reports_the_version(model_dir, hf):
+    engine = HFEngine(model_dir, num_threads=1)
+    (a,) = generate(engine, [req("a", PROMPT, 6, params=GREEDY)])
+    new = flipped(model_dir)
     engine.load_weights(new.state_dict(), version=3)
-    assert engine.stats()["cache_entries"] == 0
+    # The segment's key is still held: its entry (and the prompt entry it chains to) stays, for the tree that is
+    # growing; nothing else is kept, and a new prompt is computed again with the new weights.
+    assert engine.stats()["cache_entries"] == 2
+    (fresh,) = generate(engine, [req("f", PROMPT, 6)])
+    assert fresh.weights_version == 3
+    assert engine.stats()["cache_hits"] == 0  # the old prompt's KV was not reused
+    assert_logprobs_match(new, PROMPT, fresh.children[0].token_ids, fresh.children[0].logprobs)
     (b,) = generate(engine, [req("b", PROMPT + a.children[0].token_ids, 6, key=a.children[0].cache_key)])
-    assert b.weights_version == 3
-    assert engine.stats()["recomputed_tokens"] == len(PROMPT) + 6 - 1  # the old key is unknown now
-    assert_logprobs_match(new, PROMPT + a.children[0].token_ids, b.children[0].token_ids, b.children[0].logprobs)
+    assert b.weights_version == 3 and engine.stats()["recomputed_tokens"] == 0  # continued from the held entry
+    # Once the tree is released, another load leaves nothing behind.
+    engine.release([a.children[0].cache_key, b.children[0].cache_key, fresh.children[0].cache_key])
+    engine.load_weights(hf.state_dict(), version=4)
+    assert engine.stats()["cache_entries"] == 0
     with pytest.raises(ValueError, match="missing keys"):
-        engine.load_weights({k: v for k, v in new.state_dict().items() if "layers.0.mlp" not in k}, version=4)
+        engine.load_weights({k: v for k, v in new.state_dict().items() if "layers.0.mlp" not in k}, version=5)
+
+
+def test_load_weights_between_steps_of_running_sequences(model_dir, hf):
+    """An in-flight swap: the running segment's tokens before it are the old model's, those after it the new
+    model's (given the KV the earlier tokens left), and the segment reports the version it started under."""
+    engine = HFEngine(model_dir, num_threads=1)
+    assert engine.loads_weights_while_running
+    engine.add_requests([req("r", PROMPT, 8, n=2, stop_at_eos=False)])
+    for _ in range(3):  # three tokens per child under version 0
+        assert engine.step() == []
+    new = flipped(model_dir)
+    engine.load_weights(new.state_dict(), version=1)
+    results = []
+    while engine.has_unfinished():
+        results += engine.step()
+    (r,) = results
+    assert r.weights_version == 0 and all(len(c.token_ids) == 8 for c in r.children)
+    assert engine.stats()["loads_while_running"] == 1
+    for c in r.children:
+        assert_logprobs_match(hf, PROMPT, c.token_ids[:3], c.logprobs[:3])
+        # After the swap: the new weights over the old KV of the first positions, so neither model's plain forward
+        # gives these log-probs; they are finite log-probs of the tokens drawn.
+        assert all(lp <= 0.0 for lp in c.logprobs[3:])
+    (later,) = generate(engine, [req("l", PROMPT, 4, n=2)])
+    assert later.weights_version == 1
+    for c in later.children:
+        assert_logprobs_match(new, PROMPT, c.token_ids, c.logprobs)
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

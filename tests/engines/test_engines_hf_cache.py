@@ -49,11 +49,17 @@ def test_cap_evicts_least_recently_used_unpinned_entries_and_leaves_tombs_of_hel
     assert b.key not in cache.tombs and c.key not in cache.entries
 
 
-def test_clear_forgets_entries_but_keeps_counting_evictions():
-    cache = NodeCache(max_tokens=4)
-    first = entry(cache, None, 0, 3)
-    cache.add(first)
-    cache.add(entry(cache, None, 0, 3))
-    assert cache.evictions == 1 and first.key in cache.tombs
-    cache.clear()
-    assert not cache.entries and not cache.tombs and cache.tokens == 0 and cache.evictions == 1
+def test_forget_unused_keeps_what_is_held_or_chained_to_and_stops_prompt_reuse():
+    cache = NodeCache(max_tokens=100)
+    prompt = entry(cache, None, 0, 4, held=False, children=1)
+    cache.add(prompt)
+    cache.prompts[prompt.tokens] = prompt.key
+    held = entry(cache, prompt.key, 4, 6)
+    cache.add(held)
+    other = entry(cache, None, 0, 3, held=False)  # e.g. a prompt entry whose tree is gone
+    cache.add(other)
+    cache.forget_unused()
+    assert set(cache.entries) == {prompt.key, held.key} and not cache.prompts and cache.tokens == 6
+    cache.release([held.key])  # the chain goes with the last hold
+    cache.forget_unused()
+    assert not cache.entries and cache.tokens == 0

@@ -99,15 +99,21 @@ class EngineActor:
     async def load_weights(self, state_dict, version: int) -> int:
         """Load `state_dict` (name -> tensor), or a payload of weights.py that loads itself into the engine (an
         object-store copy, or this engine's part of a broadcast)."""
-        # Sequences already running finish on the weights they started with (the pipeline only swaps weights
-        # between batches, so this rarely waits); the swap itself happens between two decode steps.
-        while self._stepper is not None and not self._stepper.done():
+        # The swap happens between two decode steps. An engine that can swap under running sequences (hf) does so
+        # at once, so the next batch grows while the last one finishes (pipeline.py); any other first lets the
+        # running sequences finish on the weights they started with.
+        in_flight = getattr(self.engine, "loads_weights_while_running", False)
+        while not in_flight and self._stepper is not None and not self._stepper.done():
             await asyncio.wait([self._stepper])
         if isinstance(state_dict, dict):
             self.engine.load_weights(state_dict, version)
         else:
             await state_dict.load_into(self.engine, version)
         return version
+
+    async def loads_weights_while_running(self) -> bool:
+        """Whether the engine takes new weights between two steps while sequences run (HFEngine)."""
+        return bool(getattr(self.engine, "loads_weights_while_running", False))
 
     async def weights_dtype(self) -> str:
         """The dtype the engine keeps its weights in (what the learner exports for it), e.g. 'bfloat16'."""

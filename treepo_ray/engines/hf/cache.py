@@ -110,12 +110,13 @@ class NodeCache:
                 entry.held = False
                 self._maybe_free(entry)
 
-    def clear(self) -> None:
-        """Forget every entry (their KV was computed by weights that are gone)."""
-        self.entries.clear()
-        self.tombs.clear()
+    def forget_unused(self) -> None:
+        """After new weights: drop every entry that no caller holds and nothing chains to (with none held, the
+        whole cache), and stop reusing cached prompts (their KV was computed by the old weights)."""
         self.prompts.clear()
-        self.tokens = 0
+        for entry in [e for e in self.entries.values() if not e.held and e.children == 0]:
+            if entry.key in self.entries:  # dropping a child may have dropped its parent already
+                self._drop(entry)
 
     def _make_room(self, size: int) -> bool:
         while self.tokens + size > self.max_tokens:

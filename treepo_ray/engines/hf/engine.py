@@ -71,6 +71,7 @@ _COUNTERS = (
     "steps",
     "step_sequences",
     "steps_at_cap",
+    "loads_while_running",
 )
 _TIMERS = ("admit", "prefill", "decode", "sample", "branch", "bookkeeping")
 
@@ -183,12 +184,17 @@ class HFEngine:
         out.update({f"time_{k}_s": v for k, v in self._times.items()})
         return out
 
+    loads_weights_while_running = True
+    """`load_weights` may come between two steps while sequences run (vLLM's engine needs them finished)."""
+
     def load_weights(self, state_dict: dict, version: int) -> None:
-        """Copy `state_dict` (HF parameter names) into the model in place and drop every cache entry (its KV was
-        computed by the old weights). Requests still waiting are admitted with the new weights; running ones
-        must finish first."""
-        if self._rows:
-            raise RuntimeError(f"load_weights while {len(self._rows)} sequences are running; let them finish first")
+        """Copy `state_dict` (HF parameter names) into the model in place, between two steps.
+
+        Sequences that are running go on with the KV their earlier tokens left and sample their next tokens from
+        the new weights (PipelineRL's in-flight update): every token's log-prob is the one it was drawn with, and a
+        segment reports the version it started under, the oldest that wrote it. Cache entries a caller still
+        holds stay (trees being grown continue from them, with the same KV); every other entry is dropped, and no
+        new prompt reuses KV of older weights. Requests still waiting are admitted with the new weights."""
         own = dict(self.model.named_parameters())
         tied = {n for n in own if n == "lm_head.weight" and own[n] is self.model.get_input_embeddings().weight}
         unknown = sorted(set(state_dict) - set(self.model.state_dict()))
@@ -198,7 +204,8 @@ class HFEngine:
         with torch.no_grad():
             self.model.load_state_dict(state_dict, strict=False)
         self.weights_version = int(version)
-        self._cache.clear()
+        self._stats["loads_while_running"] += bool(self._rows)
+        self._cache.forget_unused()
 
     # ------------------------------------------------------------------------------------------------ planning
 
