@@ -36,10 +36,20 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         assert all(m["actor/samples"] == 16 and m["actor/skipped"] == 0 for _, m in rows)
         assert all(m["tree/forward_tokens"] > 0 and 0 < m["tree/forward_per_unique"] for _, m in rows)
         assert [b.data_position for b, _ in rows] == [4, 8, 12, 16]
+        # Batch 1 started growing as soon as batch 0 had taken its prompts, not when batch 0 was done.
+        assert rows[1][0].grown[0] < rows[0][0].grown[1]
         # The weights that grew the last batch, which the pool owns and every engine runs.
         assert pipe.pool.weights_version == versions[-1]
         assert {s["weights_version"] for s in pipe.pool.stats()} == {versions[-1]}
         assert pipe.learner.published[0] == 4  # published after the last step, for the next sync
+        # max_staleness = 0: grow, train, grow: no batch starts before the one before it was trained, and the
+        # engines only ever take weights between batches.
+        swapped = sum(s["loads_while_running"] for s in pipe.pool.stats())
+        sync = []
+        assert pipe.train(4, 7, PromptStream(run.train_set, 0, position=16), lambda b, m: sync.append(b) or True,
+                          max_staleness=0) == 7
+        assert all(later.grown[0] >= earlier.grown[1] for earlier, later in zip(sync, sync[1:]))
+        assert sum(s["loads_while_running"] for s in pipe.pool.stats()) == swapped
     finally:
         pipe.shutdown()
 

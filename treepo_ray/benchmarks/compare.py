@@ -117,8 +117,11 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
     out = {"seed": tr.seed, "wall_s": clock["wall"], "sampled_tokens": clock["tokens"], "steps": done,
            "tree_counters": {k.split("/", 1)[1]: total(k) for k in rows[0] if k.startswith("growth/")} if rows else {},
-           "time": {"rollout_s": total("timing_s/gen"), "learner_s": total("timing_s/update_actor"),
-                    "learner_waiting_s": total("timing_s/wait"), "weight_sync_s": total("timing_s/update_weights")},
+           # Batches may grow at once (pipeline.py), so their growth times (rollout_s) can sum past the wall time;
+           # engine_busy_s is what the engines spent running them.
+           "time": {"rollout_s": total("timing_s/gen"), "engine_busy_s": total("perf/engine_busy_s"),
+                    "learner_s": total("timing_s/update_actor"), "learner_waiting_s": total("timing_s/wait"),
+                    "weight_sync_s": total("timing_s/update_weights")},
            "trajectories": total("rollout/trajectories"),
            "shared_prefix_share": total("tree/shared_prefix_share") / max(len(rows), 1),
            "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows],

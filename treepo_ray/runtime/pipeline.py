@@ -5,7 +5,11 @@
 
 With max_staleness = s the producer may run up to s batches ahead of the learner: while the learner trains on
 batch k the schedulers already grow batch k+1 (s >= 1) with weights at most s versions old. s = 0 is the fully
-synchronous loop (grow, train, grow, ...). The queue carries token ids and metadata with an ObjectRef of the
+synchronous loop (grow, train, grow, ...). Each batch grows in a thread of its own, and with engines that take new
+weights between two steps while sequences run (the hf engine), batch k+1 starts as soon as its weights exist and
+batch k has taken its prompts, not when batch k is done: its first round fills the engines while batch k's last
+one (DAPO's refill) finishes, and batch k's last tokens come from the newer weights. A batch's version is the
+pool's when it starts, the oldest that wrote any of its tokens. The queue carries token ids and metadata with an ObjectRef of the
 scored trees (learner/batch.py: TrainTree, with their credit and the engines' sampled log-probs); weights travel
 in the engines' dtype by broadcast from learner rank 0 or as one object-store copy (weights.py).
 
@@ -22,6 +26,8 @@ import math
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_until_done
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -78,6 +84,8 @@ class RolloutBatch:
     """A few of the batch's trees with decoded texts, for trees.jsonl."""
     kept: list[Tree] = field(default_factory=list)
     """The trees the samples were made from (saved with a checkpoint while the batch waits in the queue)."""
+    grown: tuple[float, float] = (0.0, 0.0)
+    """When its growth started and ended (time.perf_counter; batches may grow at the same time)."""
 
     def to_record(self) -> dict:
         """What a checkpoint keeps of a batch waiting in the queue (JSON): enough to train it after a restart."""
@@ -118,6 +126,11 @@ class Pipeline:
         """The last weight sync's `weights/*` figures (path, bytes), logged with the batch it preceded."""
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
+        # Batches grow in threads of their own (train), which share the actor bookkeeping below.
+        self._lock = threading.RLock()
+        self._swaps_in_flight = False
+        """The engines take new weights between two steps while sequences run (the next batch may start early)."""
+        self._last_batch: tuple[dict, float] = ({}, time.perf_counter())  # engine counters when a batch was done
         try:
             self.verifiers = VerifierPool.start(rt.num_verifiers, rt.verifier_cpus, rt.verifier_timeout_s,
                                                 self.pool.registry, rt.faults, cfg.custom_reward_function)
@@ -133,6 +146,7 @@ class Pipeline:
                 # How weights reach the engines (path, the engines' dtype): asked of a running engine, before any
                 # export.
                 self.weight_sync = WeightSync.for_run(cfg, self.pool.engines()[0])
+                self._swaps_in_flight = ray.get(self.pool.engines()[0].loads_weights_while_running.remote())
                 print(self.weight_sync.describe(), flush=True)
                 self.learner = self.build_learner()
         except BaseException:
@@ -222,7 +236,11 @@ class Pipeline:
         k = len(self.schedulers)
         shards = {i: prompts[i::k] for i in range(k) if prompts[i::k]}
         healer = lambda: (self.healers or [None])[0]  # noqa: E731 - the healer a shard's trees are sent to
-        running = {self.schedulers[i].grow.remote(shard, progress): (i, healer()) for i, shard in shards.items()}
+        def start(i: int) -> tuple:
+            actor = self.schedulers[i]
+            return actor.grow.remote(shards[i], progress), (i, actor, healer())
+
+        running = dict(start(i) for i in shards)
         results: dict[int, list[Tree]] = {}
         regrows, deadline = 0, time.monotonic() + rt.deadlines.grow_s
         while running:
@@ -232,12 +250,12 @@ class Pipeline:
             done, _ = ray.wait(list(running), num_returns=len(running), timeout=rt.elastic.poll_s)
             self._kill_stuck()
             for ref in done:
-                i, its_healer = running.pop(ref)
+                i, actor, its_healer = running.pop(ref)
                 try:
                     results[i] = ray.get(ref)
                     continue
                 except Exception as err:  # noqa: BLE001 - recovered below if an actor was lost, else raised
-                    if not self._replace_lost(i, err, its_healer):
+                    if not self._replace_lost(i, actor, err, its_healer):
                         raise
                     regrows += 1
                     if regrows > rt.faults.max_regrows:
@@ -245,7 +263,8 @@ class Pipeline:
                                            "actors keep failing (runtime.faults.max_regrows)") from err
                 self.pool.registry.record.remote("regrown_prompts", f"{len(shards[i])} prompts grown again on a new "
                                                  "scheduler, with the same seeds", len(shards[i]))
-                running[self.schedulers[i].grow.remote(shards[i], progress)] = (i, healer())
+                ref, shard_of = start(i)
+                running[ref] = shard_of
         out: list[Tree] = [None] * len(prompts)  # type: ignore[list-item]
         for i, shard in results.items():
             out[i::k] = shard
@@ -254,6 +273,10 @@ class Pipeline:
     def _kill_stuck(self) -> None:
         """Heartbeat of the schedulers and the healer: a stuck one is killed, so that its calls fail and `grow`
         replaces it like a lost one (a dead one is found the same way, through its failed call)."""
+        with self._lock:  # batches growing at once share the heartbeat
+            self._kill_stuck_locked()
+
+    def _kill_stuck_locked(self) -> None:
         actors = {f"scheduler {i}": a for i, a in enumerate(self.schedulers)}
         actors.update({"healer": a for a in self.healers})
         _, stuck = self._heartbeat.check(actors)
@@ -265,12 +288,18 @@ class Pipeline:
             report(msg)
             self.pool.registry.record.remote("schedulers_stuck" if name != "healer" else "healers_stuck", msg)
 
-    def _replace_lost(self, i: int, err: BaseException, its_healer) -> bool:
-        """Scheduler `i`'s shard failed with `err`: replace what was lost (the scheduler itself, or `its_healer`,
-        the healer its trees were sent to) and return True; False when nothing was lost (the error is the shard's
-        own). A replacement is not waited for: one that is lost before it runs fails the shard's next call in
-        turn, and is replaced like any other."""
+    def _replace_lost(self, i: int, actor, err: BaseException, its_healer) -> bool:
+        """Scheduler `i`'s shard failed with `err` on `actor`: replace what was lost (the scheduler itself, or
+        `its_healer`, the healer its trees were sent to) and return True; False when nothing was lost (the error is
+        the shard's own). A replacement is not waited for: one that is lost before it runs fails the shard's next
+        call in turn, and is replaced like any other. Batches growing at once replace each loss once."""
+        with self._lock:
+            return self._replace_lost_locked(i, actor, err, its_healer)
+
+    def _replace_lost_locked(self, i: int, actor, err: BaseException, its_healer) -> bool:
         if isinstance(err, RayActorError) and actor_lost(err):
+            if self.schedulers[i] is not actor:
+                return True  # another batch's shard on it found the loss first
             msg = f"scheduler {i} lost ({brief(err)}); a new one grows its prompts again"
             report(msg)
             self.pool.registry.record.remote("schedulers_lost", msg)
@@ -298,23 +327,35 @@ class Pipeline:
             return False
         return True
 
-    def make_batch(self, step: int, stream: PromptStream, num_trees_logged: int = 0) -> RolloutBatch:
-        """Grow, score and credit one step's batch (DAPO dynamic sampling: refill filtered prompts)."""
+    def make_batch(self, step: int, stream: PromptStream, num_trees_logged: int = 0,
+                   prompts_taken: threading.Event | None = None) -> RolloutBatch:
+        """Grow, score and credit one step's batch (DAPO dynamic sampling: refill filtered prompts). Its prompts
+        are one run of `stream`; `prompts_taken` is set once the last of them is taken (the next batch may then
+        take its own). The batch's version is the pool's when it starts: every token in it was sampled by those
+        weights or newer ones (engines may take newer weights while it grows)."""
         cfg, algo = self.cfg, self.cfg.algo
         need = cfg.trainer.prompts_per_step
         t0 = time.perf_counter()
-        before = self._engine_counters()
+        version = self.pool.weights_version
         grown: list[Tree] = []
         kept: list[Tree] = []
-        for rnd in range(1 + (algo.max_extra_rounds if algo.filters_groups else 0)):
-            missing = need - len(kept)
-            n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
-            trees = self.grow(stream.take(n), progress=step / max(1, cfg.trainer.steps - 1))
-            grown += trees
-            trees = [t for t in trees if t.trajectories]  # none left when every verification of a tree failed
-            kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
-            if len(kept) >= need:
-                break
+        rounds = 1 + (algo.max_extra_rounds if algo.filters_groups else 0)
+        try:
+            for rnd in range(rounds):
+                missing = need - len(kept)
+                n = math.ceil(missing * algo.oversample) if algo.filters_groups else missing
+                prompts, position = stream.take(n), stream.position
+                if rnd == rounds - 1 and prompts_taken is not None:
+                    prompts_taken.set()
+                trees = self.grow(prompts, progress=step / max(1, cfg.trainer.steps - 1))
+                grown += trees
+                trees = [t for t in trees if t.trajectories]  # none left when every verification of a tree failed
+                kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
+                if len(kept) >= need:
+                    break
+        finally:
+            if prompts_taken is not None:
+                prompts_taken.set()
         if len(kept) > need:  # DAPO keeps a random subset of the over-sampled groups
             pick = np.random.default_rng([cfg.trainer.seed, step]).choice(len(kept), need, replace=False)
             kept = [kept[i] for i in sorted(pick)]
@@ -328,8 +369,10 @@ class Pipeline:
         metrics["rollout/sampled_tokens"] = float(sampled_tokens(grown))  # healing's generation included
         if algo.name == "catpo":
             metrics.update(catpo_metrics(grown, weights))
-        after = self._engine_counters()
-        fwd = sum(c.get("forward_tokens", 0) - before.get(e, {}).get("forward_tokens", 0) for e, c in after.items())
+        # Engine figures since the previous batch was done: batches may grow at the same time, so what the engines
+        # ran cannot be told apart by batch; summed over a run, each figure is the run's total.
+        since, seconds = self._since_last_batch()
+        fwd = sum(c.get("forward_tokens", 0) for c in since.values())
         unique = metrics.get("tree/unique_tokens", 0.0)
         trajectories = sum(len(t.trajectories) for t in grown)
         metrics.update({
@@ -337,13 +380,15 @@ class Pipeline:
             "rollout/rounds": float(rnd + 1),
             "tree/forward_tokens": float(fwd),
             "tree/forward_per_unique": fwd / unique if unique else math.nan,
-            "perf/traj_per_s": trajectories / max(t_grow - t0, 1e-9),
+            "perf/engine_busy_s": float(sum(v for c in since.values() for k, v in c.items() if k.startswith("time_"))),
+            "perf/engine_rows": sum(c.get("step_sequences", 0) for c in since.values()) / max(
+                sum(c.get("steps", 0) for c in since.values()), 1),
+            "perf/traj_per_s": trajectories / max(seconds, 1e-9),
             "timing_s/gen": t_grow - t0,
             "timing_s/adv": t_credit - t_grow,
         })
-        return RolloutBatch(step, self.pool.weights_version, ray.put(samples),
-                            sum(len(t.trajectories) for t in samples), stream.position, metrics,
-                            [self.tree_record(t) for t in kept[:num_trees_logged]], kept)
+        return RolloutBatch(step, version, ray.put(samples), sum(len(t.trajectories) for t in samples), position,
+                            metrics, [self.tree_record(t) for t in kept[:num_trees_logged]], kept, (t0, t_grow))
 
     def credit(self, kept: list[Tree]) -> tuple[list, list, list[float] | None]:
         """The learner's trees of the kept trees (learner/batch.py: TrainTree), their credit and, under CATPO, the
@@ -366,11 +411,34 @@ class Pipeline:
         if self._batches is None:
             return []
         with self._batches.mutex:
-            return [b for b in self._batches.queue if isinstance(b, RolloutBatch)]
+            items = list(self._batches.queue)
+        out = []
+        for item in items:  # the grown ones, up to the first still growing (or failed)
+            if isinstance(item, Future):
+                if not item.done() or item.exception() is not None:
+                    break
+                item = item.result()
+            if not isinstance(item, RolloutBatch):
+                break
+            out.append(item)
+        return out
 
-    def _engine_counters(self) -> dict:
-        """Counters per engine id (an engine that joins mid-batch counts from zero; one that dies is left out)."""
-        return {s["engine_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float))} for s in self.pool.stats()}
+    def _since_last_batch(self) -> tuple[dict, float]:
+        """The engines' counters (per engine id) and the seconds since the previous batch was done, or since the
+        pipeline started: an engine that joins counts from zero, one that dies is left out."""
+        now = {s["engine_id"]: {k: v for k, v in s.items() if isinstance(v, (int, float))} for s in self.pool.stats()}
+        t1 = time.perf_counter()
+        with self._lock:
+            (before, t0), self._last_batch = self._last_batch, (now, t1)
+        return {e: {k: v - before.get(e, {}).get(k, 0) for k, v in c.items()} for e, c in now.items()}, t1 - t0
+
+    def _engine_work_not_counted(self, run):
+        """`run()` on engines that nothing else uses meanwhile, with their work during it (and its seconds) left out
+        of the next batch's figures."""
+        try:
+            return run()
+        finally:
+            self._since_last_batch()  # the next batch counts from here
 
     def fault_metrics(self) -> dict:
         """pool/size and the fault events since the last call (fault/<kind> totals), each reason logged once."""
@@ -421,7 +489,7 @@ class Pipeline:
               eval_every: int = 0, max_staleness: int | None = None, queued: list[RolloutBatch] = ()) -> int:
         """Train steps [start_step, end_step); `on_step(batch, metrics) -> bool` logs and checkpoints after each
         step and returns False to stop early. With `eval_every`, the producer evaluates `self.eval_set` on the
-        weights it has just loaded every that many steps (between two batches, so the engines are idle).
+        weights it has just loaded every that many steps (once the last batch is done, so the engines are idle).
         `max_staleness` overrides runtime.max_staleness for this call. `queued`: batches of the first steps that
         were already grown (they waited in the queue when the checkpoint being resumed was taken); they are
         trained as they are, and `stream` continues after the last of them. Returns the number of steps completed
@@ -438,7 +506,19 @@ class Pipeline:
         self._batches = batches
         stop = threading.Event()
 
+        # Batches grow in threads of their own, so the next one can start while the last one finishes: its first
+        # round fills the engines while the last round of the one before (DAPO's refill) runs.
+        growing = ThreadPoolExecutor(max_workers=s + 1, thread_name_prefix="rollout-batch")
+
+        def grow_batch(step: int, extra: dict, taken: threading.Event) -> RolloutBatch:
+            batch = self.make_batch(step, stream, trees_per_step, taken)
+            batch.metrics.update(extra)
+            return batch
+
         def produce() -> None:
+            growing_now: list[Future] = []  # batches started and maybe not done yet
+            taken = threading.Event()
+            taken.set()
             try:
                 for step in range(start_step, end_step):
                     slots.acquire()
@@ -447,18 +527,28 @@ class Pipeline:
                     if queued:  # grown before the restart, with the weights of its own time
                         batches.put(queued.pop(0))
                         continue
+                    evaluating = eval_every and step > start_step and step % eval_every == 0
+                    # Engines that take new weights only between two batches, and an evaluation, need the batches
+                    # before done; any other batch starts as soon as the last one has taken its prompts (so that
+                    # one batch's prompts are one run of the stream: the position its checkpoint records).
+                    if evaluating or not self._swaps_in_flight:
+                        wait_until_done(growing_now)
+                    growing_now = [f for f in growing_now if not f.done()]
                     sync_s = self.sync_weights(min_version=step - s)
-                    evaluated = {}
-                    if eval_every and step > start_step and step % eval_every == 0:
-                        evaluated = self.evaluate(self.eval_set, **self.eval_args)
-                    batch = self.make_batch(step, stream, trees_per_step)
-                    batch.metrics.update(evaluated, **self.sync_metrics, **{"timing_s/update_weights": sync_s})
-                    batches.put(batch)
+                    extra = {**self.sync_metrics, "timing_s/update_weights": sync_s}
+                    if evaluating:
+                        extra.update(self._engine_work_not_counted(
+                            lambda: self.evaluate(self.eval_set, **self.eval_args)))
+                    taken.wait()
+                    taken = threading.Event()
+                    growing_now.append(growing.submit(grow_batch, step, extra, taken))
+                    batches.put(growing_now[-1])
             except BaseException as err:  # surfaces in the consumer, which re-raises it
                 batches.put(err)
                 return
             batches.put(DONE)
 
+        self._since_last_batch()  # the first batch's engine figures count from here
         producer = threading.Thread(target=produce, name="rollout-producer", daemon=True)
         producer.start()
         step, last = start_step, time.perf_counter()
@@ -470,6 +560,8 @@ class Pipeline:
                     break
                 if isinstance(batch, BaseException):
                     raise batch
+                if isinstance(batch, Future):
+                    batch = batch.result()  # a batch that failed to grow raises here
                 waited = time.perf_counter() - t_wait
                 staleness = step - batch.version
                 # Invariant: every batch is trained at most max_staleness versions after the weights that grew it.
@@ -506,4 +598,5 @@ class Pipeline:
                 except queue.Empty:
                     pass
             producer.join()
+            growing.shutdown(wait=True)  # a batch still growing finishes (its actors' deadlines bound it)
         return step
