@@ -69,3 +69,23 @@ def test_treepo_ablation_keys():
     assert scores() == pytest.approx(whitened([0.625, -0.375, -0.125, -0.125]))
     assert scores(treepo_root_group=False) == pytest.approx(whitened([0.5, -0.5, 0.0, 0.0]))
     assert scores(treepo_subgroup_rejection=True) == pytest.approx(whitened([0.625, -0.375, -0.25, -0.25]))
+
+
+def test_treepo_prompt_scale_divides_each_prompt_by_its_reward_std():
+    # Each prompt's scores over its own reward std: [1, 0, 0, 0] (scores as above) over sqrt(3)/4, [1, 1, 0, 0]
+    # (levels root .5, A 1, B 0: scores .25, .25, -.25, -.25) over 1/2; no whitening across the two.
+    hard, easy = two_level([1.0, 0.0, 0.0, 0.0]), two_level([1.0, 0.0, 0.0, 0.0])
+    easy.set_trajectory_rewards([1.0, 1.0, 0.0, 0.0])
+    cfg = AlgoConfig(name="treepo", treepo_scale="prompt")
+    a_hard, a_easy = cfg.advantages([hard, easy])
+    std = 3 ** 0.5 / 4
+    assert a_hard == pytest.approx([0.625 / std, -0.375 / std, -0.125 / std, -0.125 / std], rel=1e-5)
+    assert a_easy == pytest.approx([0.5, 0.5, -0.5, -0.5], rel=1e-5)
+    batch = AlgoConfig(name="treepo", whiten_by_tokens=False).advantages([hard, easy])
+    assert batch[0] != pytest.approx(a_hard)  # the default whitens the two prompts together
+
+
+def test_treepo_scale_is_checked():
+    with pytest.raises(ValueError, match="treepo_scale"):
+        AlgoConfig(name="treepo", treepo_scale="group")
+    assert load_config(None, ["algo.treepo_scale=prompt"]).algo.treepo_scale == "prompt"

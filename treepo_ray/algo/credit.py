@@ -22,6 +22,10 @@ ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 Advantage = float | list[float]
 """Of one trajectory: one number for its whole response, or one per response token."""
 
+TREEPO_SCALES = ("batch", "prompt")
+"""How TreePO scales its subgroup scores: one whitening over the batch, or per prompt by its reward std."""
+PROMPT_STD_EPS = 1e-6  # GRPO's epsilon (grpo_advantages): an all-equal prompt scores 0, not a division by 0
+
 PER_NODE = ("treerpo", "catpo")
 """Algorithms whose loss counts each node once (CATPO eq. 7), from per-node advantages."""
 
@@ -52,23 +56,29 @@ def keep_tree(tree: Tree) -> bool:
 
 def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str, whiten_by_tokens: bool,
                     grpo_scale: bool, treerpo_prune_range: float, treepo_root_group: bool = True,
-                    treepo_subgroup_rejection: bool = False) -> list[list[Advantage]]:
+                    treepo_subgroup_rejection: bool = False, treepo_scale: str = "batch") -> list[list[Advantage]]:
     """The advantage of every trajectory of every tree (`out[t][k]`: tree t's k-th trajectory).
 
-    treepo: TreePO eq. 5 numerator per prompt, then one whitening over the whole batch (weighted by tokens when
-    `whiten_by_tokens`, so the token-mean loss sees zero-mean unit-variance advantages). treerpo and catpo: every
+    treepo: TreePO eq. 5 numerator per prompt, then with `treepo_scale` 'batch' one whitening over the whole batch
+    (the official script; weighted by tokens when `whiten_by_tokens`, so the token-mean loss sees zero-mean
+    unit-variance advantages), with 'prompt' each prompt's scores divided by the std of its rewards (GRPO's
+    per-group scale: a prompt with one success in 16 weighs as much as one with eight). treerpo and catpo: every
     token of a node's segment gets that node's sibling-relative advantage (CATPO's credit is TreeRPO's; its tree
     weights are applied by the caller). grpo, dapo, treepo_flat: one flat group per prompt (Shao et al. 2024).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} is not one of {ALGORITHMS}")
     if algorithm == "treepo":
+        if treepo_scale not in TREEPO_SCALES:
+            raise ValueError(f"treepo_scale must be one of {TREEPO_SCALES}, got {treepo_scale!r}")
         scores, lengths = [], []
         for tree in trees:
             scores.append(treepo_scores(tree.trajectory_paths(), trajectory_rewards(tree), weighting=treepo_weighting,
                                         include_root=treepo_root_group,
                                         skip_uniform_subgroups=treepo_subgroup_rejection))
             lengths += [len(tree.response_ids(n)) for n in tree.trajectories]
+        if treepo_scale == "prompt":
+            return [(s / (trajectory_rewards(tree).std() + PROMPT_STD_EPS)).tolist() for tree, s in zip(trees, scores)]
         flat = [s for per_tree in scores for s in per_tree]
         if not flat:
             return [[] for _ in trees]

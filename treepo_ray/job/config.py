@@ -16,7 +16,7 @@ from treepo_ray import config as config_io
 from treepo_ray.config import UserError
 from treepo_ray import storage
 from treepo_ray.algo.catpo import score_tree
-from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, tree_advantages, tree_credit
+from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, TREEPO_SCALES, tree_advantages, tree_credit
 from treepo_ray.algo.overlong import OverlongConfig, with_overlong_penalty
 from treepo_ray.data.datasets import DataConfig
 from treepo_ray.data.evaluate import EvalConfig
@@ -106,6 +106,9 @@ class AlgoConfig:
     """TreePO: the whole prompt's group is one of each trajectory's levels (False = the paper's no-root ablation)."""
     treepo_subgroup_rejection: bool = False
     """TreePO: skip subgroups whose rewards are all equal (the paper's subgroup-level rejection ablation)."""
+    treepo_scale: str = "batch"
+    """TreePO: 'batch' whitens the subgroup scores over the whole batch (the official script's REINFORCE++
+    normalisation); 'prompt' divides each prompt's scores by the std of its rewards, as GRPO does per group."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """DAPO's overlong reward buffer, applied to trajectory rewards before credit (algo/overlong.py)."""
     whiten_by_tokens: bool = True
@@ -129,6 +132,8 @@ class AlgoConfig:
             raise ValueError(f"algo.oversample = {self.oversample}; it must be >= 1")
         if self.max_extra_rounds < 0:
             raise ValueError(f"algo.max_extra_rounds = {self.max_extra_rounds}; it must be >= 0")
+        if self.treepo_scale not in TREEPO_SCALES:
+            raise ValueError(f"algo.treepo_scale = {self.treepo_scale!r}; choose one of {TREEPO_SCALES}")
 
     @property
     def sampler(self) -> str:
@@ -158,7 +163,7 @@ class AlgoConfig:
         return dict(treepo_weighting=self.treepo_weighting, whiten_by_tokens=self.whiten_by_tokens,
                     grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range,
                     treepo_root_group=self.treepo_root_group,
-                    treepo_subgroup_rejection=self.treepo_subgroup_rejection)
+                    treepo_subgroup_rejection=self.treepo_subgroup_rejection, treepo_scale=self.treepo_scale)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
