@@ -102,7 +102,7 @@ class EngineActor:
         # The swap happens between two decode steps. An engine that can swap under running sequences (hf) does so
         # at once, so the next batch grows while the last one finishes (pipeline.py); any other first lets the
         # running sequences finish on the weights they started with.
-        in_flight = await self.loads_weights_while_running()
+        in_flight = getattr(self.engine, "loads_weights_while_running", False)
         while not in_flight and self._stepper is not None and not self._stepper.done():
             await asyncio.wait([self._stepper])
         if isinstance(state_dict, dict):
