@@ -34,7 +34,10 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         assert [m["perf/staleness"] for _, m in rows][:2] == [0, 1]
         assert all(0 <= m["perf/staleness"] <= 1 for _, m in rows)
         assert all(m["actor/samples"] == 16 and m["actor/skipped"] == 0 for _, m in rows)
-        assert all(m["tree/forward_tokens"] > 0 and 0 < m["tree/forward_per_unique"] for _, m in rows)
+        # Engine figures are counted between batch completions (batches overlap, so the engines' work cannot be
+        # told apart by batch): a batch done just after the last one may see none, but the run's total is all of it.
+        assert all(m["tree/forward_tokens"] >= 0 for _, m in rows)
+        assert sum(m["tree/forward_tokens"] for _, m in rows) > 0
         assert [b.data_position for b, _ in rows] == [4, 8, 12, 16]
         # Batch 1 started growing as soon as batch 0 had taken its prompts, not when batch 0 was done.
         assert rows[1][0].grown[0] < rows[0][0].grown[1]
@@ -120,7 +123,8 @@ def test_batches_waiting_at_a_checkpoint_are_trained_after_a_restart_as_they_wer
     def until_checkpoint(batch, metrics):
         if batch.step < 1:
             return True
-        # The checkpoint after step 2: batch 2, grown with weights v1 while step 2 trained, waits in the queue.
+        # The checkpoint after step 2: batch 2, grown with weights v1 while step 2 trained, waits in the queue, and
+        # batch 3 too when it was grown in the meantime (batches overlap; the slots allow max_staleness + 1).
         deadline = time.monotonic() + 60
         while not pipe.queued_batches() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -131,7 +135,7 @@ def test_batches_waiting_at_a_checkpoint_are_trained_after_a_restart_as_they_wer
     try:
         assert pipe.train(0, 6, PromptStream(run.train_set, 0), until_checkpoint, 4) == 2
         waiting = saved["batches"][0]
-        assert [r["step"] for r in saved["records"]] == [2] and waiting.version in (1, 2)
+        assert [r["step"] for r in saved["records"]] in ([2], [2, 3]) and waiting.version in (1, 2)
         queued = [pipe.batch_from_record(r) for r in saved["records"]]
         assert ray.get(queued[0].samples) == ray.get(waiting.samples)  # credit recomputed from the saved trees
         stream = PromptStream(run.train_set, 0, position=queued[-1].data_position)
