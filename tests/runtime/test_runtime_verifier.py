@@ -3,13 +3,15 @@ retries a lost or hung verifier, then fails the call's solutions (real local Ray
 counts from the start of scoring; failed trajectories are left out of the tree and counted per step."""
 
 import math
+import os
+import signal
+import time
 
 import pytest
 import ray
 
 from treepo_ray.data.synthetic import DATA_SOURCE
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
-from treepo_ray.runtime.recovery import kill_actor
 from treepo_ray.runtime.registry import RuntimeRegistry
 from treepo_ray.runtime.verifier import (
     VerifierFront,
@@ -56,17 +58,23 @@ def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
     items = [(DATA_SOURCE, "12 + 30 = 42\n\\boxed{42}", "42"), (DATA_SOURCE, "\\boxed{41}", "42")]
     try:
         assert ray.get(pool.score(items)) == [1.0, 0.0]
-        # The verifier the next call goes to dies (SIGKILL of its process): the call is retried on the other one,
-        # and the dead one is restarted in place by Ray (verifiers hold no state).
-        kill_actor(pool.verifiers[1], "signal")
-        assert ray.get(pool.score(items)) == [1.0, 0.0]
+        # The verifier the next call goes to dies (SIGKILL of its process) while it scores that call (a tower sympy
+        # tries to expand keeps it busy up to the verifier's own per-item deadline of 5 s): the call is retried on
+        # the other one, and the dead one is restarted in place by Ray (verifiers hold no state). Killed between
+        # two calls instead, it may be back before the next one reaches it, and nothing is retried.
+        tower = ("math", r"\boxed{10^{10^{10}}}", "5")
+        pid = ray.get(pool.verifiers[1].__ray_call__.remote(lambda _: os.getpid()))  # asked while it is idle
+        in_flight = pool.score([tower, tower, *items])  # over 1 s a tower (the timeout below)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        assert ray.get(in_flight) == [0.0, 0.0, 1.0, 0.0]  # a tower is a wrong answer, not a failure
         assert ray.get(pool.score(items)) == [1.0, 0.0]  # round robin reaches the restarted one (or waits for it)
         kinds = [k for _, k, _, _ in ray.get(registry.drain.remote())]
         assert kinds and set(kinds) == {"verifier_retries"}  # retried, never failed
         # A call longer than the limit (a tower sympy tries to expand; the verifier's own per-item deadline is 5 s):
         # retried once, then the items fail (None) with the reason logged; the hung verifiers are restarted.
         impatient = VerifierFront.remote(pool.verifiers, registry, 1, 1.0)
-        hard = [("math", r"\boxed{10^{10^{10}}}", "5"), items[0]]
+        hard = [tower, items[0]]
         assert ray.get(impatient.score.remote(hard)) == [None, None]
         events = ray.get(registry.drain.remote())
         assert [k for _, k, _, _ in events] == ["verifier_retries", "verifier_failures"]
