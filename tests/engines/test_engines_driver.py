@@ -83,6 +83,24 @@ def test_tracker_maps_asks_to_requests_and_results_back():
     assert tracker.release(a) == [] and tracker.open_requests() == 0
 
 
+def test_an_abandoned_grower_is_forgotten_with_its_open_requests():
+    # A tree given up midway (its shard failed; the scheduler stops it): its caches are freed, its open requests
+    # forgotten (a late answer is refused as unknown), and the other trees' bookkeeping is untouched.
+    tracker = TreeTracker()
+    a, b = treepo(0, PROMPTS[0]), treepo(1, PROMPTS[1])
+    ra, rb = tracker.to_requests(a), tracker.to_requests(b)
+    first = segments(ra[0])
+    tracker.deliver(first)
+    follow = tracker.to_requests(a)
+    assert follow and tracker.open_requests() == 1 + len(follow)
+    assert sorted(tracker.release(a, abandon=True)) == sorted(c.cache_key for c in first.children)
+    assert tracker.open_requests() == 1 and tracker.release(a) == []
+    with pytest.raises(ValueError, match="unknown request"):
+        tracker.deliver(segments(follow[0]))
+    grower, nodes = tracker.deliver(segments(rb[0]))
+    assert grower is b and nodes == [1, 2]
+
+
 # ---- on the real engine ---------------------------------------------------------------------------------------
 
 

@@ -104,6 +104,9 @@ def test_a_lost_healer_is_replaced_and_its_trees_grown_again(pipeline):
     again = pipe.grow(prompts)
     faults = pipe.fault_metrics()
     assert pipe.healers[0] is not lost and faults["fault/healers_lost"] == 1 and faults["fault/regrown_prompts"] == 4
+    # Every tree healed again, none refused: a tree of a failed shard no longer heals on beside its regrown copy (it
+    # is stopped with its shard, and heal calls' request ids are their own), which the engine refused as a duplicate.
+    assert [t.meta["catpo"]["heal"].get("error") for t in again] == [None] * 4
     assert [t.tokens for t in again] == [t.tokens for t in clean]  # healed again with the same seeds: same grafts
     assert [t.reward for t in again] == [t.reward for t in clean]
     assert all(len(t.meta["grafted"]) == 2 for t in again)

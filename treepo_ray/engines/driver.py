@@ -84,13 +84,16 @@ class TreeTracker:
         meta["weights_version"] = min(meta.get("weights_version", result.weights_version), result.weights_version)
         return t.grower, nodes
 
-    def release(self, grower: Grower) -> list[str]:
-        """Forget a grower; return the cache keys of its tree for `engine.release` (no request may be open)."""
+    def release(self, grower: Grower, abandon: bool = False) -> list[str]:
+        """Forget a grower; return the cache keys of its tree for `engine.release`. No request may be open unless
+        `abandon` (a tree given up midway): its open requests are forgotten too, and a late result is unknown."""
         t = self._growers.get(id(grower))
         if t is None or t.grower is not grower:
             return []
-        if t.open:
+        if t.open and not abandon:
             raise ValueError(f"grower of tree {grower.tree.query_id!r} still has {t.open} open requests")
+        for rid in [rid for rid, (tracked, _) in self._open.items() if tracked is t]:
+            del self._open[rid]
         del self._growers[id(grower)]
         return list(t.keys.values())
 

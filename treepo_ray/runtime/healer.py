@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import threading
 
 import ray
@@ -43,6 +44,7 @@ class HealerActor:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._lock = threading.Lock()  # the pool copy's routing table is shared by the threads
         self._local = threading.local()
+        self._calls = itertools.count()  # next() is atomic: threads draw distinct numbers
 
     def _tokenizer(self):
         # One copy per thread: a fast tokenizer used from two threads at once can fail ("Already borrowed").
@@ -62,10 +64,14 @@ class HealerActor:
 
     def heal(self, tree: Tree, seed: int):
         """(healed tree, HealResult). The caller keeps its own copy of the tree, so a failure leaves it intact."""
-        key = f"{tree.query_id}/heal"  # its own route: critique prompts share no cache with the tree
+        # Its own route (critique prompts share no cache with the tree), and request ids unique to this call: a
+        # heal of the same tree may still run here from a shard that failed and is being grown again.
+        call = next(self._calls)
+        key = f"{tree.query_id}/heal#{call}"
         cache_keys: list[str] = []
 
         def generate(requests):
+            requests = [dataclasses.replace(r, request_id=f"{r.request_id}#{call}") for r in requests]
             results = self._call(key, "generate", requests)
             cache_keys.extend(c.cache_key for r in results for c in r.children if c.cache_key)
             return results

@@ -56,7 +56,16 @@ class TreeScheduler:
         as soon as its own paths are back. `progress` (0 at the first training step, 1 at the last) sets scheduled
         sampler settings (tree/treepo.py `scheduled`)."""
         cfg = scheduled(self.sampler_cfg, progress)
-        return list(await asyncio.gather(*(self._grow_one(p, cfg) for p in prompts)))
+        tasks = [asyncio.ensure_future(self._grow_one(p, cfg)) for p in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            # One failed tree fails the shard, which the pipeline may grow again from its start on this scheduler:
+            # its other trees stop first, so none runs on beside its regrown copy (same query id, seeds and
+            # route) or heals on a replacement healer meanwhile.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _grow_one(self, prompt: Prompt, cfg) -> Tree:
         qid = prompt.id
@@ -64,6 +73,7 @@ class TreeScheduler:
         grower = self.grower_cls(tree, cfg, eos_token_id=self.tokenizer.eos_token_id,
                                  decode=self.decode, seed=prompt.seed)
         pending: set[asyncio.Future] = set()
+        grown = False
         try:
             while True:
                 requests = self.tracker.to_requests(grower)
@@ -75,11 +85,11 @@ class TreeScheduler:
                 for fut in done:
                     for result in fut.result():
                         self.tracker.deliver(result)
+            grown = True
         finally:
-            for fut in pending:
+            for fut in pending:  # a tree given up midway (a failed call, its shard failed): caches and route freed
                 fut.cancel()
-            if not pending:
-                self.pool.finish(qid, self.tracker.release(grower))
+            self.pool.finish(qid, self.tracker.release(grower, abandon=not grown))
         if not grower.done():
             raise RuntimeError(f"the grower of {qid!r} stopped asking before its tree was done")
         solutions = [self.decode(tree.response_ids(n)) for n in tree.trajectories]
