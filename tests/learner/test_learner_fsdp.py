@@ -43,9 +43,10 @@ STEPS = 2
 
 def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the cores
-    results = {}
+    results, learners = {}, []
     for aggregation in AGGREGATIONS:
         learner = Learner(model_path, _config(aggregation), rank=rank, world_size=2, master_port=port)
+        learners.append(learner)
         assert type(learner.strategy) is FSDP2
         metrics = [learner.train_step(_batch(aggregation, rank)) for _ in range(STEPS)]
         weights = learner.export_weights()
@@ -56,7 +57,10 @@ def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
         torch.save(results, f"{out_dir}/results.pt")
     else:
         assert weights == {}  # only rank 0 receives the gathered weights
-    learner.close()
+    # The first Learner created the process group (the others joined it): closing it destroys the group. A worker
+    # that exits with the group alive can abort in gloo's threads ("terminate called without an active exception").
+    for learner in learners:
+        learner.close()
 
 
 def _free_port() -> int:
