@@ -90,9 +90,3 @@ def by_round(plan: dict[int, dict[int, str]], default: str = "go", lp: float = -
         return child(ask, j, plan.get(depth, {}).get(k, default), lp)
 
     return script
-
-
-def canonical(tree: Tree, node: int = 0) -> tuple:
-    """The tree's shape and content, independent of node numbering."""
-    kids = sorted(canonical(tree, c) for c in tree.children(node))
-    return (tuple(tree.tokens[node]), tree.finish[node], node in tree.trajectories, tuple(kids))

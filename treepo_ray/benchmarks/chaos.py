@@ -10,7 +10,9 @@ alternately). A lost engine's requests are re-sent to a live one; a lost schedul
 new one; a lost verifier is restarted in place and its call retried; a lost learner is rebuilt from the newest
 checkpoint and the steps after it trained again. Seeded sampling makes every re-done piece of work the one that was
 lost, so the runs must agree: `identical` is true when every step's trees (token for token), rewards and loss are
-equal in both (for a step trained twice, its last training, the one the final weights descend from).
+equal in both (for a step trained twice, its last training, the one the final weights descend from). Trees are
+compared in canonical form (Tree.canonical): the node numbering follows the order an engine returned segments in,
+which depends on what else it ran (with two engines, a fault-free run numbers the nodes of most trees differently).
 
 Which weights version a batch is grown with depends on timing when max_staleness >= 1 (the producer takes the newest
 weights published), so the bench runs max_staleness = 0 unless told otherwise: a batch is then always grown with the
@@ -30,6 +32,7 @@ import tempfile
 
 from treepo_ray.benchmarks.common import parse_job_args, write_json
 from treepo_ray.job.config import CHAOS_KINDS, TrainConfig
+from treepo_ray.tree import Tree
 
 # Two engines of half a CPU each: a lost engine's requests go to the other at once, and its replacement fits in
 # the room it left. A checkpoint every step: a lost learner redoes at most the step it was in. Override any of
@@ -47,8 +50,9 @@ def run_once(cfg: TrainConfig, run_dir: str) -> dict:
     steps: dict[int, dict] = {}
 
     def observe(batch, metrics) -> None:
-        steps[batch.step] = {"version": batch.version, "trees": [t["tokens"] for t in batch.trees],
-                             "rewards": [t["reward"] for t in batch.trees], "loss": metrics.get("actor/loss"),
+        trees = [Tree.from_dict(t).canonical() for t in batch.trees]
+        steps[batch.step] = {"version": batch.version, "trees": [[node[:2] for node in t] for t in trees],
+                             "rewards": [[node[2] for node in t] for t in trees], "loss": metrics.get("actor/loss"),
                              "trajectories": sum(len(t["trajectories"]) for t in batch.trees)}
 
     tr = dataclasses.replace(cfg.trainer, run_dir=run_dir, resume="")

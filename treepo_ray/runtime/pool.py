@@ -11,7 +11,8 @@ member list through the RuntimeRegistry (registry.py), which also journals the f
 Nothing of a tree lives in an engine: the schedulers own the tree state, and a request carries the full prefix ids.
 A re-sent request names a cache key of the dead engine, which the new engine does not know, so it computes the
 prefix from the ids (engines/base.py). Seeded sampling makes the re-sent segment the one the dead engine would
-have produced, so a loss costs time, not trajectories.
+have produced, up to float rounding (a token drawn at a CDF boundary may differ: engines/hf/engine.py), so a loss
+costs time, not trajectories.
 
 An engine that is alive but stops answering (a ping unanswered for runtime.deadlines.heartbeat_s, or a call past
 runtime.deadlines.generate_s) is killed and replaced like a dead one; so is an engine whose step raised an error that

@@ -7,7 +7,10 @@
 - A request naming a cache entry (cache.py) copies the chain into its leader row and feeds only the parent's last
   token, which was sampled but never run through the model; a request naming an evicted key recomputes the
   missing part from `prefix_ids`. Every finished child leaves its segment's KV behind as a new entry.
-- Child j of a request uses seed + j (sampler.py), so its tokens never depend on the rest of the batch.
+- Child j of a request uses seed + j (sampler.py), so its random draws never depend on the rest of the batch;
+  its logits do in their last bits (the batch's shape changes how the kernels sum: log-probs moved by up to
+  4.5e-6 between a request run alone and beside 39 others), so a token drawn within that distance of a CDF
+  boundary can differ. Measured: none of 1024 children of 256 tokens differed between two batch compositions.
 """
 
 from __future__ import annotations
