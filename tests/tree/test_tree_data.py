@@ -39,6 +39,19 @@ def test_canonical_form_ignores_node_numbering_but_not_content():
     assert u.canonical() != t.canonical()
 
 
+def test_renumber_keeps_the_tree_and_refuses_an_order_with_a_child_before_its_parent():
+    t = small_tree()
+    t.set_trajectory_rewards([1.0, 0.0, 1.0])
+    before = t.canonical()
+    assert t.renumber([0, 2, 5, 1, 4, 3]) == [0, 3, 1, 5, 4, 2]  # the new id of each old node
+    assert t.parent == [-1, 0, 1, 0, 3, 3] and t.tokens[2] == [9] and t.trajectories == [5, 4, 2]
+    assert t.canonical() == before
+    with pytest.raises(ValueError, match="parent before"):
+        t.renumber([0, 2, 1, 3, 4, 5])
+    with pytest.raises(ValueError, match="every node once"):
+        t.renumber([0, 1, 1, 3, 4, 5])
+
+
 def test_paths_and_prefixes():
     t = small_tree()
     assert t.leaves() == [3, 4, 5]

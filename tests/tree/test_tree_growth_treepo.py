@@ -317,15 +317,19 @@ def test_same_seed_same_tree_and_arrival_order_does_not_matter():
     def grow(seed, reverse=False, policy="uniform"):
         g = grower(cfg(max_depth=6, divergence_policy=policy, fallback_policy="random"), seed)
         drive(g, script, reverse=reverse)
-        return g.tree
+        return g
 
     for policy in ("uniform", "logprob_low"):
-        a, b = grow(7, policy=policy), grow(7, policy=policy)
+        a, b = grow(7, policy=policy).tree, grow(7, policy=policy).tree
         assert a.to_dict() == b.to_dict()
-        reverse = grow(7, reverse=True, policy=policy)  # results delivered in the opposite order: nodes renumbered
-        assert reverse.tokens != a.tokens and reverse.canonical() == a.canonical()
         assert len(a.trajectories) == 16
-    assert grow(8).to_dict() != grow(7).to_dict()
+        # Results delivered in the opposite order: the same tree under other node ids, until both are renumbered.
+        ga, gr = grow(7, policy=policy), grow(7, reverse=True, policy=policy)
+        assert gr.tree.tokens != ga.tree.tokens and gr.tree.canonical() == ga.tree.canonical()
+        for g in (ga, gr):
+            g.tree.renumber(g.depth_first_order())
+        assert gr.tree.to_dict() == ga.tree.to_dict() and ga.tree.canonical() == a.canonical()
+    assert grow(8).tree.to_dict() != grow(7).tree.to_dict()
 
 
 def test_ask_seeds_are_distinct_and_ids_carry_the_query():

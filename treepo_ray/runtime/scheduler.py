@@ -92,6 +92,9 @@ class TreeScheduler:
             self.pool.finish(qid, self.tracker.release(grower, abandon=not grown))
         if not grower.done():
             raise RuntimeError(f"the grower of {qid!r} stopped asking before its tree was done")
+        # Node ids followed the order the engine returned segments in, which depends on what else it ran; the same
+        # seed must give the learner the same tree (its packing, and the float sums over it, follow node order).
+        tree.renumber(grower.depth_first_order())
         solutions = [self.decode(tree.response_ids(n)) for n in tree.trajectories]
         items = [(prompt.data_source, s, prompt.ground_truth, prompt.extra_info) for s in solutions]
         rewards = await within(self.verifiers.score(items), self.wait_s, f"verifying {qid}") if items else []

@@ -330,6 +330,11 @@ class Grower:
     def _idle(self) -> bool:
         return not self._ready and not self._outstanding
 
+    def depth_first_order(self) -> list[int]:
+        """The root, then every node depth-first by child index: an order of the nodes that does not depend on the
+        order the engine returned segments in (Tree.renumber takes it)."""
+        return [0] + sorted(range(1, len(self.tree)), key=self._address)
+
     def _close(self) -> None:
         """Final trajectories: every finished node."""
         self.tree.trajectories = list(self._finished)

@@ -96,6 +96,23 @@ class Tree:
         """Prompt once plus every node's segment once: what a perfect prefix cache must compute."""
         return len(self.prompt_ids) + sum(len(t) for t in self.tokens)
 
+    def renumber(self, order: list[int]) -> list[int]:
+        """Give the nodes new ids in place: node `order[i]` becomes node i (order starts with the root and lists each
+        parent before its children). Returns the new id of every old node."""
+        if sorted(order) != list(range(len(self.parent))) or order[0] != 0:
+            raise ValueError("order must list every node once, the root first")
+        new = [0] * len(order)
+        for i, old in enumerate(order):
+            new[old] = i
+        if any(new[self.parent[old]] >= i for i, old in enumerate(order) if i):
+            raise ValueError("order must list each parent before its children")
+        self.parent = [-1] + [new[self.parent[old]] for old in order[1:]]
+        for name in ("depth", "tokens", "logprobs", "finish", "reward"):
+            values = getattr(self, name)
+            setattr(self, name, [values[old] for old in order])
+        self.trajectories = [new[n] for n in self.trajectories]
+        return new
+
     def canonical(self) -> list[tuple]:
         """The tree whatever order its nodes were added in: per node, its segments from the root down (token
         tuples), its finish reason and its reward (None if unset), sorted. An engine hands back a round's segments
