@@ -325,10 +325,10 @@ def test_same_seed_same_tree_and_arrival_order_does_not_matter():
         assert len(a.trajectories) == 16
         # Results delivered in the opposite order: the same tree under other node ids, until both are renumbered.
         ga, gr = grow(7, policy=policy), grow(7, reverse=True, policy=policy)
-        assert gr.tree.tokens != ga.tree.tokens and gr.tree.canonical() == ga.tree.canonical()
+        assert gr.tree.tokens != ga.tree.tokens
         for g in (ga, gr):
             g.tree.renumber(g.depth_first_order())
-        assert gr.tree.to_dict() == ga.tree.to_dict() and ga.tree.canonical() == a.canonical()
+        assert gr.tree.to_dict() == ga.tree.to_dict()
     assert grow(8).tree.to_dict() != grow(7).tree.to_dict()
 
 

@@ -10,8 +10,8 @@ alternately). A lost engine's requests are re-sent to a live one; a lost schedul
 new one; a lost verifier is restarted in place and its call retried; a lost learner is rebuilt from the newest
 checkpoint and the steps after it trained again. Seeded sampling makes every re-done piece of work the one that was
 lost, so the runs must agree: `identical` is true when every step's trees (token for token), rewards and loss are
-equal in both (for a step trained twice, its last training, the one the final weights descend from). Trees are
-compared in canonical form (Tree.canonical), whatever their node numbering. The engines' logits are exact only up
+equal in both (for a step trained twice, its last training, the one the final weights descend from); the schedulers
+number every tree's nodes depth-first (Tree.renumber), so equal trees compare equal. The engines' logits are exact only up
 to float rounding that depends on what else a batch holds (engines/hf/engine.py), so a token drawn at a CDF
 boundary can differ and the runs part from there: measured, of three pairs of fault-free runs with two engines
 one agreed on all 40 steps, one parted at step 37 and one somewhere (its growth counters differed by one branch).
@@ -35,7 +35,6 @@ import tempfile
 
 from treepo_ray.benchmarks.common import parse_job_args, write_json
 from treepo_ray.job.config import CHAOS_KINDS, TrainConfig
-from treepo_ray.tree import Tree
 
 # Two engines of half a CPU each: a lost engine's requests go to the other at once, and its replacement fits in
 # the room it left. A checkpoint every step: a lost learner redoes at most the step it was in. Override any of
@@ -53,9 +52,8 @@ def run_once(cfg: TrainConfig, run_dir: str) -> dict:
     steps: dict[int, dict] = {}
 
     def observe(batch, metrics) -> None:
-        trees = [Tree.from_dict(t).canonical() for t in batch.trees]
-        steps[batch.step] = {"version": batch.version, "trees": [[node[:2] for node in t] for t in trees],
-                             "rewards": [[node[2] for node in t] for t in trees], "loss": metrics.get("actor/loss"),
+        steps[batch.step] = {"version": batch.version, "trees": [t["tokens"] for t in batch.trees],
+                             "rewards": [t["reward"] for t in batch.trees], "loss": metrics.get("actor/loss"),
                              "trajectories": sum(len(t["trajectories"]) for t in batch.trees)}
 
     tr = dataclasses.replace(cfg.trainer, run_dir=run_dir, resume="")

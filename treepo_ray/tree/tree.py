@@ -113,15 +113,6 @@ class Tree:
         self.trajectories = [new[n] for n in self.trajectories]
         return new
 
-    def canonical(self) -> list[tuple]:
-        """The tree whatever order its nodes were added in: per node, its segments from the root down (token
-        tuples), its finish reason and its reward (None if unset), sorted. An engine hands back a round's segments
-        in an order that depends on what else it runs, so two growths of one seeded tree number their nodes
-        differently; their canonical forms are equal."""
-        nodes = [(tuple(tuple(self.tokens[m]) for m in self.path(n)), self.finish[n],
-                  None if math.isnan(self.reward[n]) else self.reward[n]) for n in range(1, len(self.parent))]
-        return sorted(nodes, key=lambda node: node[:2])
-
     def set_trajectory_rewards(self, rewards: list[float]) -> None:
         """Give each trajectory's last node its reward, then propagate means bottom-up."""
         if len(rewards) != len(self.trajectories):
