@@ -13,7 +13,7 @@ CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthet
 def small(tiny: str, *extra: str) -> list[str]:
     """A seconds-long run: 4 prompts x 4 paths of at most 2 x 8 tokens, one optimizer step per training step."""
     return ["model.path=" + tiny, f"model.cache_dir={CACHE}", "trainer.eval_size=8",
-            "rollout.treepo.width=4", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.treepo.width=4", "rollout.treepo.init_divergence_min=2", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # limits of these sizes
             "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
@@ -25,7 +25,7 @@ def two_engines(tiny: str, *extra: str) -> list[str]:
     """4 prompts x 4 paths of at most 2 x 8 tokens per step; two engines of half a CPU each (room for one
     replacement as soon as one dies), the learner on the other CPU."""
     return ["model.path=" + tiny, f"model.cache_dir={CACHE}", "trainer.eval_size=4",
-            "rollout.treepo.width=4", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.treepo.width=4", "rollout.treepo.init_divergence_min=2", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # limits of these sizes
             "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false", "runtime.num_engines=2",

@@ -37,7 +37,7 @@ def wait_for(condition, timeout_s: float = 90.0) -> bool:
 
 def test_pool_grows_on_a_new_node_and_shrinks_when_the_node_goes(cluster, tiny):
     run = job([
-        "model.path=" + tiny, f"model.cache_dir={CACHE}", "rollout.treepo.width=4", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2",
+        "model.path=" + tiny, f"model.cache_dir={CACHE}", "rollout.treepo.width=4", "rollout.treepo.init_divergence_min=2", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2",
         "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # limits of these sizes
         "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
         "rollout.treepo.segment_len=8", "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false",

@@ -62,7 +62,7 @@ def verl_job(tmp_path_factory, tiny):
             f"custom_reward_function.path={root / 'my_reward.py'}", "custom_reward_function.name=my_score",
             f"custom_reward_function.reward_kwargs={{log: {log}}}",
             f"model.path={tiny}", f"model.cache_dir={CACHE}",
-            "rollout.treepo.width=4", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.treepo.width=4", "rollout.treepo.init_divergence_min=2", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # limits of these sizes
             "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
             "algo.dynamic_sampling=false", "trainer.prompts_per_step=4", "log.wandb=false"]
