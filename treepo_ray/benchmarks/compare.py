@@ -312,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(algos))
     if result["treepo_vs_grpo"]:
         v = result["treepo_vs_grpo"]
-        print(f"TreePO reached GRPO's final accuracy in {v['time_ratio'] if v['time_ratio'] is not None else 'never'}"
-              f" x GRPO's wall time (target <= 0.75); final {v['final_accuracy_treepo']:.3f} vs GRPO "
-              f"{v['final_accuracy_grpo']:.3f}")
+        reached = "never" if v["time_ratio"] is None else f"in {v['time_ratio']:.2f}x GRPO's wall time"
+        print(f"TreePO reached GRPO's final accuracy {reached} (target: within 0.75x); final "
+              f"{v['final_accuracy_treepo']:.3f} vs GRPO {v['final_accuracy_grpo']:.3f}")
     if "catpo" in algos:
         c = algos["catpo"]
         print(f"CATPO healing: {c['healing']['healed']:.0f} of {c['healing']['attempts']:.0f} dead-wrong trees gained"
