@@ -57,7 +57,7 @@ def small_run(tiny: str) -> list[str]:
     """Overrides of a compare run of the tiny model on small trees (2 prompts, 4 paths of 2 x 8 tokens)."""
     cache = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
     return [f"model.path={tiny}", f"model.cache_dir={cache}", "trainer.eval_size=4", "trainer.prompts_per_step=2",
-            "rollout.treepo.width=4", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
+            "rollout.treepo.width=4", "rollout.treepo.init_divergence_min=2", "rollout.treepo.init_divergence_max=4", "rollout.treepo.max_depth=2", "rollout.treepo.segment_len=8",
             "rollout.sequential.group_size=4", "rollout.sequential.max_depth=2", "rollout.sequential.segment_len=8",
             "rollout.treepo.max_response_len=0", "rollout.treepo.max_total_len=0",  # 2 x 8 tokens: in the context
             "rollout.sequential.max_response_len=0", "rollout.sequential.max_total_len=0",
