@@ -37,3 +37,13 @@ def test_stream_reports_both_modes_through_a_capped_batch(tmp_path, capsys):
 
 def test_stream_rejects_a_width_over_the_cap():
     assert cli(["bench", "stream", *TINY, "--width", "16", "--max-batch-size", "8"]) == 2
+
+
+def test_stream_runs_each_engine_spec_with_its_own_arguments(tmp_path):
+    out = tmp_path / "stream.json"
+    assert cli(["bench", "stream", *TINY, "--prompts", "4", "--max-batch-size", "8", "--engine",
+                "hf,hf:attention_blocks=1", "--json", str(out)]) == 0
+    engines = json.loads(out.read_text())["engines"]
+    assert sorted(engines) == ["hf", "hf:attention_blocks=1"]
+    assert engines["hf"]["tree"]["generated_tokens"] == engines["hf:attention_blocks=1"]["tree"]["generated_tokens"]
+    assert cli(["bench", "stream", *TINY, "--engine", "hf:attention_blocks"]) == 2  # not key=value

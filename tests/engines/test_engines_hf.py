@@ -95,6 +95,26 @@ def test_seeds_make_children_independent_of_the_batch(model_dir):
     assert other.children[0].token_ids != r.children[0].token_ids
 
 
+def test_decode_rows_sorted_longest_first_keep_every_row_intact(model_dir, hf):
+    """Rows of very different lengths side by side (and rows joining as others finish) are sorted longest first,
+    KV and all, so each attention block reads only as far as its longest row; every child still gets exactly the
+    log-probs of the model over its own prefix, and the tokens it draws alone."""
+    prefixes = [list(range(1, 3 + (40 if i % 2 else 0) + i % 5)) for i in range(40)]  # short and long alternate
+    reqs = [req(f"r{i}", p, 6 + i % 7, stop_at_eos=False) for i, p in enumerate(prefixes)]
+    engine = HFEngine(model_dir, num_threads=1, max_batch_size=36)  # the last 4 join as the first finish
+    results = generate(engine, reqs)
+    assert engine.stats()["row_sorts"] > 0
+    one_block = HFEngine(model_dir, num_threads=1, max_batch_size=36, attention_blocks=1)
+    assert [r.children[0].token_ids for r in generate(one_block, reqs)] == [r.children[0].token_ids for r in results]
+    assert one_block.stats()["row_sorts"] == 0
+    alone = HFEngine(model_dir, num_threads=1)
+    for rq, r in zip(reqs, results):
+        (c,) = r.children
+        assert len(c.token_ids) == rq.max_new_tokens
+        assert_logprobs_match(hf, rq.prefix_ids, c.token_ids, c.logprobs)
+        assert generate(alone, [rq])[0].children[0].token_ids == c.token_ids
+
+
 def test_batch_limits_queue_requests_without_changing_them(model_dir):
     reqs = [req(f"r{i}", PROMPT[i:], 6, n=2, params=SamplingParams(temperature=0.9, top_k=50, seed=i))
             for i in range(4)]

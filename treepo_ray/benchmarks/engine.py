@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams
@@ -68,10 +69,28 @@ REFERENCE = "hf_generate"
 """The reference mode: Hugging Face generate, i.i.d. (see HFGenerate)."""
 
 
+def engine_specs(text: str) -> list[tuple[str, str, dict]]:
+    """`--engine`'s list as (label, engine name, keyword arguments): 'hf:attention_blocks=1:max_cache_tokens=4096'
+    is the hf engine given those two arguments (values read as YAML scalars), labelled by the whole spec."""
+    out = []
+    for spec in [e.strip() for e in text.split(",") if e.strip()]:
+        name, *pairs = spec.split(":")
+        kwargs = {}
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            if not eq or not key:
+                raise ValueError(f"--engine {spec!r}: {pair!r} is not key=value")
+            kwargs[key] = yaml.safe_load(value)
+        out.append((spec, name, kwargs))
+    return out
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The options the engine and stream benches share: engines, tree shape, sampling and the built model."""
     p.add_argument("--model", help="HF model directory (default: build a random tiny Qwen2 in a temp dir)")
-    p.add_argument("--engine", default="hf", help="comma-separated engine names (treepo_ray.engines.ENGINES)")
+    p.add_argument("--engine", default="hf",
+                   help="comma-separated engines (treepo_ray.engines.ENGINES), each optionally with keyword arguments "
+                        "for it: 'hf,hf:attention_blocks=1' runs the hf engine as it is, then with one attention block")
     p.add_argument("--device", default="cpu")
     p.add_argument("--width", type=int, default=16, help="trajectories per prompt (w)")
     p.add_argument("--depth", type=int, default=8, help="max depth (segments per path) of the tree")
@@ -381,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.width < 1 or args.prompts < 1 or args.repeats < 1 or args.depth < 1 or args.segment_len < 1:
         print("bench: --width, --prompts, --repeats, --depth and --segment-len must be >= 1", file=sys.stderr)
         return 2
+    try:
+        specs = engine_specs(args.engine)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     if args.sweep:
         configs = [(d, args.budget // d) for d, _ in SWEEP if args.budget // d >= 1]
     else:
@@ -394,11 +418,11 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
         report: dict = {"command": ["treepo-ray", "bench", *(sys.argv[1:] if argv is None else argv)],
                         "settings": {k: v for k, v in vars(args).items()}, "engines": {}}
-        for name in [e.strip() for e in args.engine.split(",") if e.strip()]:
+        for name, engine_name, engine_kw in specs:
             kw = {"num_threads": args.threads} if args.threads > 0 and args.device == "cpu" else {}
             # One engine per mode (same model, same settings), so the two modes can be stepped alternately.
-            engines = {m: make_engine(name, str(model_path), device=args.device, max_batch_size=args.max_batch_size,
-                                      **kw) for m in MODES}
+            engines = {m: make_engine(engine_name, str(model_path), device=args.device,
+                                      max_batch_size=args.max_batch_size, **kw, **engine_kw) for m in MODES}
             n_runs = 1 + len(configs) * args.repeats
             bar = tqdm(total=n_runs * 2 * len(prompts), desc=f"bench {name}", unit="tree",
                        disable=args.no_progress, file=sys.stderr)

@@ -32,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from treepo_ray.benchmarks.engine import MODES, PROMPTS, _jsonable, add_workload_args, build_model, make_growers
+from treepo_ray.benchmarks.engine import (MODES, PROMPTS, _jsonable, add_workload_args, build_model, engine_specs,
+                                          make_growers)
 from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams
 from treepo_ray.engines.driver import StreamLoop
@@ -139,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.width > args.max_batch_size:
         print(f"bench stream: --width {args.width} exceeds --max-batch-size {args.max_batch_size}", file=sys.stderr)
         return 2
+    try:
+        specs = engine_specs(args.engine)
+    except ValueError as e:
+        print(f"bench stream: {e}", file=sys.stderr)
+        return 2
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -148,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         model_path = Path(args.model) if args.model else build_model(args, Path(tmp) / "model")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompts = stream_prompts(tokenizer, args.prompts)
-        for name in [e.strip() for e in args.engine.split(",") if e.strip()]:
+        for name, engine_name, engine_kw in specs:
             kw = {"num_threads": args.threads} if args.threads > 0 and args.device == "cpu" else {}
-            engines = {m: make_engine(name, str(model_path), device=args.device, max_batch_size=args.max_batch_size,
-                                      **kw) for m in MODES}
+            engines = {m: make_engine(engine_name, str(model_path), device=args.device,
+                                      max_batch_size=args.max_batch_size, **kw, **engine_kw) for m in MODES}
             bar = tqdm(total=2 * (args.warmup_prompts + args.prompts), desc=f"bench stream {name}", unit="tree",
                        disable=args.no_progress, file=sys.stderr)
             pace = None

@@ -3,7 +3,9 @@
 - Requests queue until the batch limits let them in (first come, first served). A request's `n` children share the
   prefix: the prefix (or only its last, not yet fed token, when the parent's cache is known) is run once in a
   "leader" row, the n first tokens are sampled from its logits, and the leader's row is copied into n-1 new rows
-  (one indexed copy for all forks of a step). Running rows are kept contiguous, so no step gathers KV.
+  (one indexed copy for all forks of a step). Running rows are kept contiguous, so no step gathers KV. A decode
+  pass's attention runs in blocks of rows, each reading only as far as its longest row; the rows are sorted longest
+  first when rows of very different lengths share the batch (`_order_decode_rows`).
 - A request naming a cache entry (cache.py) copies the chain into its leader row and feeds only the parent's last
   token, which was sampled but never run through the model; a request naming an evicted key recomputes the
   missing part from `prefix_ids`. Every finished child leaves its segment's KV behind as a new entry.
@@ -75,8 +77,24 @@ _COUNTERS = (
     "step_sequences",
     "steps_at_cap",
     "loads_while_running",
+    "row_sorts",
 )
 _TIMERS = ("admit", "prefill", "decode", "sample", "branch", "bookkeeping")
+_BLOCK_ROWS = 16
+"""Decode rows per attention block at least (a block reads as far as its longest row)."""
+
+
+def _blocks(rows: int, most: int) -> list[tuple[int, int]]:
+    """The decode batch's attention blocks: up to `most` runs of consecutive rows of equal size, of 16 rows or
+    more (one block under 32 rows)."""
+    k = max(1, min(most, rows // _BLOCK_ROWS))
+    size = -(-rows // k)
+    return [(a, min(a + size, rows)) for a in range(0, rows, size)]
+
+
+def _read_cost(pos: list[int], most: int) -> int:
+    """KV positions the decode blocks read for rows at these positions, in this order."""
+    return sum((b - a) * (max(pos[a:b]) + 1) for a, b in _blocks(len(pos), most))
 
 
 class HFEngine:
@@ -94,18 +112,20 @@ class HFEngine:
         eos_token_id: int | list[int] | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        attention_blocks: int = 4,
     ):
         """`model`: an HF model directory or a loaded causal LM. `max_cache_tokens`: cap on the positions kept in
         node caches. `max_batch_size`: running sequences at once. `max_batch_tokens`: cap on the sum over running
         sequences of (prefix + max_new_tokens), which bounds the KV buffer. `vocab_size`: the tokenizer's size
         (default: read from the model directory's tokenizer, else the config's). `seed`: seeds of requests that
-        give none."""
+        give none. `attention_blocks`: blocks a decode pass's attention is split into at most, each reading only as
+        far as its longest row, with the rows sorted longest first when that pays (1: one block, never sorted)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         for name, value in (("max_cache_tokens", max_cache_tokens), ("max_batch_size", max_batch_size),
-                            ("max_batch_tokens", max_batch_tokens)):
+                            ("max_batch_tokens", max_batch_tokens), ("attention_blocks", attention_blocks)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if isinstance(model, (str, Path)):
@@ -127,6 +147,7 @@ class HFEngine:
         self.vocab_size = self.decoder.vocab_size
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.attention_blocks = attention_blocks
         self.weights_version = 0
         self._rng = random.Random(seed)  # seeds of requests that give none
         self._cache = NodeCache(max_cache_tokens)
@@ -336,12 +357,13 @@ class HFEngine:
         Bd = next((i for i, r in enumerate(rows) if len(r.feed) > 1), B)
         logits = []
         if Bd:
-            pos = [r.pos for r in rows[:Bd]]
+            pos = self._order_decode_rows(Bd)
             T = max(pos) + 1
             ids = torch.tensor([r.feed[0] for r in rows[:Bd]], device=self.device)[:, None]
             pos_t = torch.tensor(pos, device=self.device)
             mask = self._mask(pos_t[:, None], T)
-            logits.append(self.decoder.forward(self._kv, 0, ids, pos_t[:, None], mask, None))
+            spans = [(a, b, max(pos[a:b]) + 1) for a, b in _blocks(Bd, self.attention_blocks)]
+            logits.append(self.decoder.forward(self._kv, 0, ids, pos_t[:, None], mask, None, spans))
             self._stats["decode_steps"] += 1
             t = self._tick("decode", t)
         if Bd < B:
@@ -425,6 +447,29 @@ class HFEngine:
                 self._finish(rows[i], i)
             self._compact(set(finished))
         self._tick("branch", t)
+
+    def _order_decode_rows(self, Bd: int) -> list[int]:
+        """Sort the decode rows longest first (rows and their KV) when that makes the attention of the decode
+        pass's blocks (`_blocks`) read at least 10% fewer positions; return the rows' positions in their order.
+
+        Each block reads as far as its longest row, so a short row among long ones reads positions it never uses:
+        rows that join the batch later (new prompts, a tree's next segment beside another tree's first) and rows
+        moved into the holes of finished ones leave the batch unsorted (training: 24% more positions read than
+        needed; evaluation: 88%). Sorting copies the rows' KV once, about what two decode steps read."""
+        rows = self._rows
+        pos = [r.pos for r in rows[:Bd]]
+        if Bd < 2 * _BLOCK_ROWS or self.attention_blocks == 1:
+            return pos
+        order = sorted(range(Bd), key=lambda i: -pos[i])
+        best = [pos[i] for i in order]
+        if _read_cost(pos, self.attention_blocks) <= 1.1 * _read_cost(best, self.attention_blocks):
+            return pos
+        perm = torch.tensor(order, device=self.device)
+        T = best[0]
+        self._kv[:, :, :Bd, :, :T] = self._kv[:, :, :Bd, :, :T].index_select(2, perm)
+        rows[:Bd] = [rows[i] for i in order]
+        self._stats["row_sorts"] += 1
+        return best
 
     def _mask(self, pos: torch.Tensor, T: int) -> torch.Tensor:
         """Additive attention mask [B, 1, Q, T]: query at position p sees positions <= p."""
