@@ -47,3 +47,5 @@ def test_stream_runs_each_engine_spec_with_its_own_arguments(tmp_path):
     assert sorted(engines) == ["hf", "hf:attention_blocks=1"]
     assert engines["hf"]["tree"]["generated_tokens"] == engines["hf:attention_blocks=1"]["tree"]["generated_tokens"]
     assert cli(["bench", "stream", *TINY, "--engine", "hf:attention_blocks"]) == 2  # not key=value
+    with pytest.raises(ValueError, match="attention_blocks must be >= 1"):  # the arguments reach the engine
+        cli(["bench", "stream", *TINY, "--prompts", "1", "--engine", "hf:attention_blocks=0"])
