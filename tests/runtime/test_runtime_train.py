@@ -25,7 +25,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana" / "treep
 # verl's names of the figures both projects have (verl: trainer/ppo/metric_utils.py), and the tree figures.
 VERL_METRICS = {"critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio",
                 "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
-                "timing_s/gen", "timing_s/update_actor", "val-core/synthetic_chain/acc/mean@4"}
+                "timing_s/gen", "timing_s/update_actor", "val-core/synthetic_chain/acc/mean@3"}  # 3 = eval_samples
 TREE_METRICS = {"tree/shared_prefix_share", "tree/depth_max", "tree/nodes", "tree/forward_per_unique"}
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "run_report.ipynb"
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny, tmp_path, monkeypatch):
     run = tmp_path / "run"
     args = small(tiny, f"trainer.run_dir={run}", "trainer.steps=4", "trainer.save_every=1",
-                 "trainer.keep_checkpoints=1", "log.wandb=true")
+                 "trainer.keep_checkpoints=1", "trainer.eval_samples=3", "log.wandb=true")
     assert train_main(args + ["trainer.stop_after=2"]) == 1  # stopped early on purpose: not completed
     (step, ckpt), = list_checkpoints(run)  # older ones pruned to keep_checkpoints=1
     ckpt = Path(ckpt)
