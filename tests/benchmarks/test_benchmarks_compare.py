@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from treepo_ray.benchmarks.compare import accuracy_at, first_reaching, main, summarise, verdict
+from treepo_ray.benchmarks.compare import accuracy_at, first_reaching, main, parse_args, summarise, verdict
 
 
 def run(seed, curve, **extra):
@@ -51,6 +51,13 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert main(["--algos", "grpo,ppo"]) == 2
     assert "ppo" in capsys.readouterr().err
     assert main(["--seeds", "0"]) == 2
+    assert main(["--first-seed", "-1"]) == 2
+
+
+def test_seeds_count_from_the_first_seed():
+    args, _ = parse_args(["--seeds", "2", "--first-seed", "3"])
+    assert args.seed_list == [3, 4]
+    assert parse_args([])[0].seed_list == [0, 1]
 
 
 def small_run(tiny: str) -> list[str]:
@@ -93,9 +100,10 @@ def test_weights_sent_by_broadcast_are_kept_for_evaluation_too(ray_local, tiny, 
     # A broadcast version lives on learner rank 0 and is dropped once engines moved on: compare exports a copy of
     # the kept ones, and the evaluator (after the learner is gone) scores each.
     out = tmp_path / "cmp.json"
-    args = ["--algos", "treepo", "--seeds", "1", "--budget-tokens", "600", "--eval-points", "2", "--json", str(out),
-            *small_run(tiny), "runtime.weights.path=broadcast"]
+    args = ["--algos", "treepo", "--seeds", "1", "--first-seed", "3", "--budget-tokens", "600", "--eval-points", "2",
+            "--json", str(out), *small_run(tiny), "runtime.weights.path=broadcast"]
     assert main(args) == 0
     (one,) = json.loads(out.read_text())["algorithms"]["treepo"]["runs"]
+    assert one["seed"] == 3  # the run trained with the seed asked for (trainer.seed)
     tokens = [t for _, t, _ in one["curve"]]  # base, after 200 and 400 tokens, final (>= 600)
     assert len(tokens) == 4 and 200 <= tokens[1] < 400 <= tokens[2] < 600 <= tokens[3] == one["sampled_tokens"]

@@ -1,7 +1,7 @@
 """Algorithms side by side over time: the same task, base model and budget for each; held-out accuracy curves.
 
-    treepo-ray compare [config.yaml] [--algos grpo,dapo,treepo] [--seeds 2] [--budget-s S | --budget-tokens N]
-                       [--eval-points N] [--out DIR] [--json FILE] [key=value ...]
+    treepo-ray compare [config.yaml] [--algos grpo,dapo,treepo] [--seeds 2] [--first-seed 0]
+                       [--budget-s S | --budget-tokens N] [--eval-points N] [--out DIR] [--json FILE] [key=value ...]
 
 Default config: jobs/configs/cpu.yaml (the tiny base model on the default synthetic task, local Ray). One set-up
 (model, data, Ray: runtime/train.py `set_up`), then for every algorithm and seed a fresh Pipeline (the job's own
@@ -44,7 +44,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
     ap = argparse.ArgumentParser(prog="treepo-ray compare", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: cpu.yaml)")
     ap.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated, of {', '.join(ALGORITHMS)}")
-    ap.add_argument("--seeds", type=int, default=2, help="runs per algorithm (trainer.seed = learner.seed = 0, 1, ...)")
+    ap.add_argument("--seeds", type=int, default=2,
+                    help="runs per algorithm (trainer.seed = learner.seed = first seed, first seed + 1, ...)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="seed of each algorithm's first run (a run's seed fixes its prompts and sampling seeds: runs "
+                         "of one seed differ by timing only, other seeds are new evidence)")
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--budget-s", type=float, default=None, help="training wall time per run (default 200 s)")
     budget.add_argument("--budget-tokens", type=float, default=None, help="sampled tokens per run instead")
@@ -61,9 +65,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
         print(f"treepo-ray compare: --algos {unknown or '(empty)'}: choose from {', '.join(ALGORITHMS)}",
               file=sys.stderr)
         return 2
-    if args.seeds < 1 or args.eval_points < 0:
-        print("treepo-ray compare: --seeds must be >= 1 and --eval-points >= 0", file=sys.stderr)
+    if args.seeds < 1 or args.first_seed < 0 or args.eval_points < 0:
+        print("treepo-ray compare: --seeds must be >= 1, --first-seed and --eval-points >= 0", file=sys.stderr)
         return 2
+    args.seed_list = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.budget_s is None and args.budget_tokens is None:
         args.budget_s = 200.0
     return args, overrides
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return parsed
     args, overrides = parsed
     try:
-        cfgs = {(a, s): run_config(args.config, overrides, a, s) for a in args.algos for s in range(args.seeds)}
+        cfgs = {(a, s): run_config(args.config, overrides, a, s) for a in args.algos for s in args.seed_list}
     except ValueError as err:
         print(f"treepo-ray compare: {err}", file=sys.stderr)
         return 2
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     from treepo_ray.runtime.train import set_up
 
     started = time.time()
-    first = cfgs[(args.algos[0], 0)]
+    first = cfgs[(args.algos[0], args.seed_list[0])]
     job = set_up(first)
     tr = first.trainer
     ev = Pipeline.evaluator(first, job.model_path, job.tokenizer)  # the base model's accuracy, once for every run
