@@ -43,8 +43,24 @@ def test_catpo_heal_rate_cost_and_equal_tokens():
     summarise(algos)
     c = algos["catpo"]
     assert c["heal_rate"] == 0.6 and c["healing"]["share_of_sampled_tokens"] == pytest.approx(0.3)
-    # at CATPO's 1000 tokens TreeRPO's last evaluated point is the one at 600 tokens
-    assert c["vs_treerpo"] == {"sampled_tokens": 1000.0, "catpo_accuracy": 0.45, "treerpo_accuracy": 0.3}
+    # at CATPO's 1000 tokens TreeRPO is two thirds of the way from its point at 600 tokens to the one at 1200
+    assert c["vs_treerpo"] == pytest.approx({"sampled_tokens": 1000.0, "catpo_accuracy": 0.45,
+                                             "treerpo_accuracy": 0.3 + 0.1 * 400 / 600})
+
+
+def test_equal_tokens_with_only_base_and_final_points():
+    """`--eval-points 0`: runs ending past the shorter total are read between base and final, not as the base."""
+    heal = {"attempts": 4.0, "healed": 2.0, "errors": 0.0, "dead_wrong": 4.0, "generated_tokens": 10.0,
+            "prompt_tokens": 5.0}
+    algos = {"treerpo": {"runs": [run(0, [[0, 0, 0.1], [40, 1000, 0.3]]), run(1, [[0, 0, 0.1], [40, 1200, 0.3]])]},
+             "catpo": {"runs": [run(0, [[0, 0, 0.1], [40, 800, 0.4]], healing=heal),
+                                run(1, [[0, 0, 0.1], [40, 1000, 0.4]], healing=heal)]}}
+    summarise(algos)
+    v = algos["catpo"]["vs_treerpo"]
+    assert v["sampled_tokens"] == 900.0
+    # CATPO seed 0 ended before 900 tokens: its final counts
+    assert v["catpo_accuracy"] == pytest.approx((0.4 + (0.1 + 0.3 * 0.9)) / 2)
+    assert v["treerpo_accuracy"] == pytest.approx((0.1 + 0.2 * 0.9 + 0.1 + 0.2 * 0.75) / 2)
 
 
 def test_bad_arguments_are_one_line_errors(capsys):

@@ -18,8 +18,9 @@ heldout_accuracy] rows, `final_accuracy`, `wall_s`, and where the time went), `.
 `.time_to_grpo_final_s` and `.tokens_to_grpo_final` (mean over seeds of the first curve point at or above GRPO's
 mean final accuracy; null when a seed never gets there), `.tree_counters` (growth mechanism -> total over its
 runs), and for CATPO `.heal_rate` (share of the dead-wrong trees it healed that gained a correct branch), its
-healing cost in tokens, and `.vs_treerpo` (both at equal sampled tokens) when TreeRPO ran too. It prints a table
-and draws accuracy against wall time and against sampled tokens (mean and min-max band over seeds) as PNGs.
+healing cost in tokens, and `.vs_treerpo` (both at equal sampled tokens, linear between evaluated points) when
+TreeRPO ran too. It prints a table and draws accuracy against wall time and against sampled tokens (mean and
+min-max band over seeds) as PNGs.
 """
 
 from __future__ import annotations
@@ -186,6 +187,13 @@ def accuracy_at(curve: list, x: float, column: int) -> float:
     return [row[2] for row in curve if row[column] <= x + 1e-9][-1]
 
 
+def interpolated_accuracy(curve: list, x: float, column: int) -> float:
+    """The accuracy at `x` (wall s or tokens), linear between the evaluated points around it (the last one past the
+    end): comparing two runs at an x between their evaluations, `accuracy_at` would give one of them its older
+    point, the base model's when the curve holds only the base and the final (`--eval-points 0`)."""
+    return float(np.interp(x, [row[column] for row in curve], [row[2] for row in curve]))
+
+
 def summarise(algos: dict) -> dict:
     """Means over seeds, the time and tokens to GRPO's final accuracy, tree counters, CATPO's healing."""
     for a in algos.values():
@@ -213,10 +221,8 @@ def summarise(algos: dict) -> dict:
         if "treerpo" in algos:  # both at the sampled tokens the shorter of the two reached
             t = algos["treerpo"]
             x = min(c["sampled_tokens"], t["sampled_tokens"])
-            c["vs_treerpo"] = {"sampled_tokens": x,
-                               "catpo_accuracy": float(np.mean([accuracy_at(r["curve"], x, 1) for r in c["runs"]])),
-                               "treerpo_accuracy": float(np.mean([accuracy_at(r["curve"], x, 1)
-                                                                  for r in t["runs"]]))}
+            at_x = lambda a: float(np.mean([interpolated_accuracy(r["curve"], x, 1) for r in a["runs"]]))  # noqa: E731
+            c["vs_treerpo"] = {"sampled_tokens": x, "catpo_accuracy": at_x(c), "treerpo_accuracy": at_x(t)}
     return algos
 
 
