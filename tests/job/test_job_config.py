@@ -89,6 +89,18 @@ def test_each_algorithm_brings_its_loss_and_sampling_protocol_unless_set_explici
     assert plain.aggregation == "token-mean" and plain.kl_coef == 0.0
 
 
+def test_an_asynchronous_job_takes_the_ratio_to_the_sampling_weights_unless_set_explicitly(tmp_path):
+    catpo_cpu = load_config(CONFIG_DIR / "catpo_cpu.yaml")  # max_staleness 1, off_policy not set
+    assert catpo_cpu.runtime.max_staleness == 1 and catpo_cpu.learner.off_policy == "behaviour"
+    assert load_config(CONFIG_DIR / "catpo_paper.yaml").learner.off_policy == "recompute"  # synchronous
+    assert load_config(None, ["runtime.max_staleness=0"]).learner.off_policy == "recompute"
+    assert load_config(None, ["runtime.max_staleness=2"]).learner.off_policy == "behaviour"
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("runtime: {max_staleness: 1}\nlearner: {off_policy: decoupled}\n")
+    assert load_config(mine).learner.off_policy == "decoupled"
+    assert load_config(mine, ["learner.off_policy=recompute"]).learner.off_policy == "recompute"
+
+
 def test_bad_keys_and_values_name_the_file_or_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  treepo:\n    widht: 4\n")

@@ -505,12 +505,21 @@ class EvalJobConfig(TrainConfig):
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors (UserError) name the file
-    and key. The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly. `cls`: TrainConfig,
+    and key. The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly, and so does
+    learner.off_policy = behaviour when runtime.max_staleness > 0. `cls`: TrainConfig,
     or EvalJobConfig for `treepo-ray eval`."""
     args = config_io.read_file_overrides(cls, path) + list(overrides or [])
     cfg = config_io.load(cls, None, args)
+    preset = []
     if cfg.algo.loss_preset:
         preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+    if cfg.runtime.max_staleness > 0 and not any(a.split("=", 1)[0].strip() == "learner.off_policy" for a in args):
+        # Batches sampled by older weights: the PPO ratio must be to the weights that sampled them. "recompute"
+        # takes it to the learner's current weights, so the staleness goes uncorrected (with one pass the ratio is
+        # 1 and never clips). catpo_cpu.yaml (staleness 1), TreeRPO, 60 s, held-out from 0.40: recompute swung
+        # 0.37, 0.14, 0.19, 0.40, 0.30; behaviour climbed 0.44, 0.46, 0.49, 0.53, 0.55.
+        preset.append("learner.off_policy=behaviour")
+    if preset:
         cfg = config_io.load(cls, None, preset + args)
     if cfg.learner.loss.aggregation == "node-mean" and cfg.algo.name not in PER_NODE:
         raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "

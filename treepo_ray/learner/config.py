@@ -48,7 +48,8 @@ class LearnerConfig:
     """PPO's old log-probs: "recompute" (the current weights before the step), "behaviour" (the engines' sampled
     ones), "decoupled" (AReaL's decoupled PPO: ratio to the recomputed proximal log-probs, times the
     proximal/behaviour weight, capped). recompute/decoupled skip the recompute pass when ppo_epochs and
-    mini_batches are 1 (it would equal the training pass's own log-probs)."""
+    mini_batches are 1 (it would equal the training pass's own log-probs). A job with runtime.max_staleness > 0
+    defaults to "behaviour" (job/config.py load_config)."""
     behaviour_cap: float = 5.0
     """decoupled: cap of the proximal/behaviour importance weight (AReaL's behave_imp_weight_cap)."""
     behaviour_cap_mode: str = "mask"
