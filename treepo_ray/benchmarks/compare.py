@@ -221,8 +221,10 @@ def summarise(algos: dict) -> dict:
         if "treerpo" in algos:  # both at the sampled tokens the shorter of the two reached
             t = algos["treerpo"]
             x = min(c["sampled_tokens"], t["sampled_tokens"])
-            at_x = lambda a: float(np.mean([interpolated_accuracy(r["curve"], x, 1) for r in a["runs"]]))  # noqa: E731
-            c["vs_treerpo"] = {"sampled_tokens": x, "catpo_accuracy": at_x(c), "treerpo_accuracy": at_x(t)}
+            at_x = {name: float(np.mean([interpolated_accuracy(r["curve"], x, 1) for r in a["runs"]]))
+                    for name, a in (("catpo", c), ("treerpo", t))}
+            c["vs_treerpo"] = {"sampled_tokens": x, "catpo_accuracy": at_x["catpo"],
+                               "treerpo_accuracy": at_x["treerpo"]}
     return algos
 
 

@@ -513,7 +513,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     preset = []
     if cfg.algo.loss_preset:
         preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
-    if cfg.runtime.max_staleness > 0 and not any(a.split("=", 1)[0].strip() == "learner.off_policy" for a in args):
+    if cfg.runtime.max_staleness > 0:  # under the explicit keys, as the loss preset
         # Batches sampled by older weights: the PPO ratio must be to the weights that sampled them. "recompute"
         # takes it to the learner's current weights, so the staleness goes uncorrected (with one pass the ratio is
         # 1 and never clips). catpo_cpu.yaml (staleness 1), TreeRPO, 60 s, held-out from 0.40 at 5 points, two
