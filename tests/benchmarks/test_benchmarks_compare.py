@@ -117,9 +117,14 @@ def test_weights_sent_by_broadcast_are_kept_for_evaluation_too(ray_local, tiny, 
     # the kept ones, and the evaluator (after the learner is gone) scores each.
     out = tmp_path / "cmp.json"
     args = ["--algos", "treepo", "--seeds", "1", "--first-seed", "3", "--budget-tokens", "600", "--eval-points", "2",
-            "--json", str(out), *small_run(tiny), "runtime.weights.path=broadcast"]
+            "--json", str(out), *small_run(tiny), "runtime.weights.path=broadcast", "trainer.steps=2"]
     assert main(args) == 0
     (one,) = json.loads(out.read_text())["algorithms"]["treepo"]["runs"]
     assert one["seed"] == 3  # the run trained with the seed asked for (trainer.seed)
+    # The log-prob temperature schedule's clock is the share of the budget spent when a batch starts, not
+    # step / (trainer.steps - 1), which would reach 1 at the second of the run's 5 or more steps (<= 128 tokens each).
+    progress = one["schedule_progress"]
+    assert len(progress) == one["steps"] and progress[0] == 0.0 and progress == sorted(progress)
+    assert 0.0 < progress[-1] < 1.0
     tokens = [t for _, t, _ in one["curve"]]  # base, after 200 and 400 tokens, final (>= 600)
     assert len(tokens) == 4 and 200 <= tokens[1] < 400 <= tokens[2] < 600 <= tokens[3] == one["sampled_tokens"]

@@ -11,7 +11,8 @@ trainer.eval_size problems, trainer.eval_samples answers each at trainer.eval_te
 of the weights published first after each of `--eval-points` evenly spaced marks of the budget, and of the final
 weights: they are kept during training and scored after it by one evaluator with every engine the cluster has room
 for, so a run's clock holds training only. A curve point is placed where its weights were published: the training
-wall time and the tokens sampled up to then.
+wall time and the tokens sampled up to then. Schedules over training (TreePO's log-prob temperature) run over the
+budget: a batch's point on them is the share of the budget spent when it starts.
 
 The JSON holds `algorithms.<name>.runs` (one per seed: `seed`, `curve` as [wall_s, sampled_tokens,
 heldout_accuracy] rows, `final_accuracy`, `wall_s`, and where the time went), `.final_accuracy` (mean over seeds),
@@ -97,6 +98,10 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     kept: list[tuple] = []  # (wall s, sampled tokens, weights) per evaluation point
     clock = {"start": 0.0, "tokens": 0.0, "wall": 0.0}
 
+    # The log-prob temperature schedule runs over the budget, not over trainer.steps (which a budgeted run ignores).
+    pipe.progress = lambda step: (clock["tokens"] if budget_tokens is not None
+                                  else time.perf_counter() - clock["start"]) / budget
+
     def keep(wall: float, tokens: float) -> None:
         kept.append((wall, tokens, pipe.learner.kept_copy()))  # the weights of the step just trained
 
@@ -131,6 +136,7 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
            "trajectories": total("rollout/trajectories"),
            "shared_prefix_share": total("tree/shared_prefix_share") / max(len(rows), 1),
            "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows],
+           "schedule_progress": [round(r.get("rollout/progress", math.nan), 4) for r in rows],
            "kept_weights": kept}
     if cfg.algo.name == "catpo":
         out["healing"] = {"attempts": total("catpo/heal_attempts"), "healed": total("catpo/healed"),

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_until_done
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 import ray
@@ -126,6 +127,9 @@ class Pipeline:
         """The last weight sync's `weights/*` figures (path, bytes), logged with the batch it preceded."""
         self.eval_set: list[Prompt] = []
         self.eval_args: dict = {}  # max_new_tokens, samples, temperature of evaluate()
+        self.progress: Callable[[int], float] = lambda step: step / max(1, cfg.trainer.steps - 1)
+        """How far training is (0 to 1) when step `step`'s batch starts: the clock of the log-prob temperature
+        schedule (tree/treepo.py `scheduled`). A budgeted run (`compare`) gives the share of its budget spent."""
         # Batches grow in threads of their own (train), which share the actor bookkeeping below.
         self._lock = threading.RLock()
         self._swaps_in_flight = False
@@ -340,6 +344,7 @@ class Pipeline:
         grown: list[Tree] = []
         kept: list[Tree] = []
         rounds = 1 + (algo.max_extra_rounds if algo.filters_groups else 0)
+        progress = self.progress(step)
         try:
             for rnd in range(rounds):
                 missing = need - len(kept)
@@ -347,7 +352,7 @@ class Pipeline:
                 prompts, position = stream.take(n), stream.position
                 if rnd == rounds - 1 and prompts_taken is not None:
                     prompts_taken.set()
-                trees = self.grow(prompts, progress=step / max(1, cfg.trainer.steps - 1))
+                trees = self.grow(prompts, progress=progress)
                 grown += trees
                 trees = [t for t in trees if t.trajectories]  # none left when every verification of a tree failed
                 kept += [t for t in trees if keep_tree(t)] if algo.filters_groups else trees
@@ -377,6 +382,7 @@ class Pipeline:
         trajectories = sum(len(t.trajectories) for t in grown)
         metrics.update({
             "rollout/kept_prompts": float(len(kept)),
+            "rollout/progress": progress,
             "rollout/rounds": float(rnd + 1),
             "tree/forward_tokens": float(fwd),
             "tree/forward_per_unique": fwd / unique if unique else math.nan,
