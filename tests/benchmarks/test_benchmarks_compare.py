@@ -90,20 +90,25 @@ def small_run(tiny: str) -> list[str]:
 @pytest.mark.slow
 def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
     out = tmp_path / "cmp.json"
-    args = ["--algos", "grpo,treepo", "--seeds", "1", "--budget-s", "1", "--eval-points", "1", "--json", str(out),
+    args = ["--algos", "grpo,treepo", "--seeds", "2", "--budget-s", "1", "--eval-points", "1", "--json", str(out),
             *small_run(tiny)]
     assert main(args) == 0
     r = json.loads(out.read_text())
     for name in ("grpo", "treepo"):
         a = r["algorithms"][name]
-        (one,) = a["runs"]
-        assert one["seed"] == 0 and one["curve"][0] == [0.0, 0.0, r["base_accuracy"]]
-        assert all(len(row) == 3 for row in one["curve"]) and one["curve"][-1][2] == one["final_accuracy"]
-        # base, the weights published first after the mark at half the budget, the final weights
-        (_, (w1, t1, _), (w2, t2, _)) = one["curve"]
-        assert 0.5 <= w1 < w2 == round(one["wall_s"], 2) and 0 < t1 < t2 == one["sampled_tokens"]
-        assert one["wall_s"] >= 1.0 and one["sampled_tokens"] > 0 and one["steps"] >= 1
+        assert [one["seed"] for one in a["runs"]] == [0, 1]
+        for one in a["runs"]:
+            assert one["curve"][0] == [0.0, 0.0, r["base_accuracy"]]
+            assert all(len(row) == 3 for row in one["curve"]) and one["curve"][-1][2] == one["final_accuracy"]
+            # base, the weights published first after the mark at half the budget, the final weights
+            (_, (w1, t1, _), (w2, t2, _)) = one["curve"]
+            assert 0.5 <= w1 < w2 == round(one["wall_s"], 2) and 0 < t1 < t2 == one["sampled_tokens"]
+            assert one["wall_s"] >= 1.0 and one["sampled_tokens"] > 0 and one["steps"] >= 1
         assert "time_to_grpo_final_s" in a and "tokens_to_grpo_final" in a
+    # Seed by seed, the algorithms in turn: GRPO 0, TreePO 0, GRPO 1, TreePO 1.
+    (g0, g1), (t0, t1) = (r["algorithms"][name]["runs"] for name in ("grpo", "treepo"))
+    assert g0["started_s"] < t0["started_s"] < g1["started_s"] < t1["started_s"]
+    assert t0["started_s"] >= g0["started_s"] + g0["wall_s"]
     assert r["algorithms"]["treepo"]["tree_counters"]["branches"] > 0
     assert r["eval_engines"] == 2  # training over: the learner's CPU evaluates too (one engine CPU each)
     assert r["algorithms"]["grpo"]["time_to_grpo_final_s"] is not None  # GRPO reaches its own final accuracy

@@ -4,24 +4,25 @@
                        [--budget-s S | --budget-tokens N] [--eval-points N] [--out DIR] [--json FILE] [key=value ...]
 
 Default config: jobs/configs/cpu.yaml (the tiny base model on the default synthetic task, local Ray). One set-up
-(model, data, Ray: runtime/train.py `set_up`), then for every algorithm and seed a fresh Pipeline (the job's own
-loop) trained until its budget is spent: the same wall-clock training time for every run (`--budget-s`, the
-default), or the same number of sampled tokens (`--budget-tokens`). Held-out accuracy (the job's evaluation:
-trainer.eval_size problems, trainer.eval_samples answers each at trainer.eval_temperature, fixed seeds) is taken
-of the weights published first after each of `--eval-points` evenly spaced marks of the budget, and of the final
-weights: they are kept during training and scored after it by one evaluator with every engine the cluster has room
-for, so a run's clock holds training only. A curve point is placed where its weights were published: the training
-wall time and the tokens sampled up to then. Schedules over training (TreePO's log-prob temperature) run over the
-budget: a batch's point on them is the share of the budget spent when it starts.
+(model, data, Ray: runtime/train.py `set_up`), then for every seed, every algorithm in turn (so a change in the
+host's speed part way through falls on all of them), a fresh Pipeline (the job's own loop) trained until its budget
+is spent: the same wall-clock training time for every run (`--budget-s`, the default), or the same number of
+sampled tokens (`--budget-tokens`). Held-out accuracy (the job's evaluation: trainer.eval_size problems,
+trainer.eval_samples answers each at trainer.eval_temperature, fixed seeds) is taken of the weights published first
+after each of `--eval-points` evenly spaced marks of the budget, and of the final weights: they are kept during
+training and scored after it by one evaluator with every engine the cluster has room for, so a run's clock holds
+training only. A curve point is placed where its weights were published: the training wall time and the tokens
+sampled up to then. Schedules over training (TreePO's log-prob temperature) run over the budget: a batch's point on
+them is the share of the budget spent when it starts.
 
 The JSON holds `algorithms.<name>.runs` (one per seed: `seed`, `curve` as [wall_s, sampled_tokens,
-heldout_accuracy] rows, `final_accuracy`, `wall_s`, and where the time went), `.final_accuracy` (mean over seeds),
-`.time_to_grpo_final_s` and `.tokens_to_grpo_final` (mean over seeds of the first curve point at or above GRPO's
-mean final accuracy; null when a seed never gets there), `.tree_counters` (growth mechanism -> total over its
-runs), and for CATPO `.heal_rate` (share of the dead-wrong trees it healed that gained a correct branch), its
-healing cost in tokens, and `.vs_treerpo` (both at equal sampled tokens, linear between evaluated points) when
-TreeRPO ran too. It prints a table and draws accuracy against wall time and against sampled tokens (mean and
-min-max band over seeds) as PNGs.
+heldout_accuracy] rows, `final_accuracy`, `wall_s`, `started_s` (after the comparison's start), and where the time
+went), `.final_accuracy` (mean over seeds), `.time_to_grpo_final_s` and `.tokens_to_grpo_final` (mean over seeds
+of the first curve point at or above GRPO's mean final accuracy; null when a seed never gets there),
+`.tree_counters` (growth mechanism -> total over its runs), and for CATPO `.heal_rate` (share of the dead-wrong
+trees it healed that gained a correct branch), its healing cost in tokens, and `.vs_treerpo` (both at equal sampled
+tokens, linear between evaluated points) when TreeRPO ran too. It prints a table and draws accuracy against wall
+time and against sampled tokens (mean and min-max band over seeds) as PNGs.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     kept: list[tuple] = []  # (wall s, sampled tokens, weights) per evaluation point
     clock = {"start": 0.0, "tokens": 0.0, "wall": 0.0}
 
+    def spent(wall: float) -> float:  # in the budget's unit
+        return wall if budget_tokens is None else clock["tokens"]
+
     # The log-prob temperature schedule runs over the budget, not over trainer.steps (which a budgeted run ignores).
-    pipe.progress = lambda step: (clock["tokens"] if budget_tokens is not None
-                                  else time.perf_counter() - clock["start"]) / budget
+    pipe.progress = lambda step: spent(time.perf_counter() - clock["start"]) / budget
 
     def keep(wall: float, tokens: float) -> None:
         kept.append((wall, tokens, pipe.learner.kept_copy()))  # the weights of the step just trained
@@ -109,14 +112,14 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
         clock["tokens"] += m.get("rollout/sampled_tokens", 0.0)
         clock["wall"] = wall = time.perf_counter() - clock["start"]
         rows.append(m)
-        spent = wall if budget_tokens is None else clock["tokens"]
-        if marks and spent >= marks[0]:
-            while marks and spent >= marks[0]:
+        used = spent(wall)
+        if marks and used >= marks[0]:
+            while marks and used >= marks[0]:
                 marks.pop(0)
             keep(wall, clock["tokens"])
         print(f"  {cfg.algo.name} seed {tr.seed} step {batch.step + 1}: {wall:.0f}s, {clock['tokens']:.0f} tokens, "
               f"reward {m.get('critic/score/mean', math.nan):.3f}", flush=True)
-        return spent < budget
+        return used < budget
 
     try:
         clock["start"] = time.perf_counter()
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return parsed
     args, overrides = parsed
     try:
-        cfgs = {(a, s): run_config(args.config, overrides, a, s) for a in args.algos for s in args.seed_list}
+        # Seed by seed, every algorithm in turn: a change in the host's speed part way through falls on all of them.
+        cfgs = {(a, s): run_config(args.config, overrides, a, s) for s in args.seed_list for a in args.algos}
     except ValueError as err:
         print(f"treepo-ray compare: {err}", file=sys.stderr)
         return 2
@@ -314,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"base model: held-out accuracy {base:.3f} on {len(job.test_set)} problems", flush=True)
     algos: dict = {a: {"runs": []} for a in args.algos}
     for (algo, seed), cfg in cfgs.items():
+        run_started = time.time() - started
         algos[algo]["runs"].append(train_run(job, cfg, args.budget_s, args.budget_tokens, args.eval_points))
+        algos[algo]["runs"][-1]["started_s"] = round(run_started, 1)
     eval_engines = evaluate_runs(job, first, [r for a in algos.values() for r in a["runs"]], base)
     summarise(algos)
     result = {"config": args.config, "overrides": overrides, "model": job.model_path,
