@@ -64,10 +64,10 @@ class PretrainConfig:
     steps: int = 500
     """Optimizer steps (the deterministic budget). The running-sum layout is learnt in a jump between about 250
     and 500 steps of 32 texts (measured: greedy accuracy 5% at step 300, 68% at 400, 98% at 500), and sampled
-    accuracy moves steeply with the budget (steps of 28 texts, 7 micro-batches: 500 steps pass@1 0.123, greedy
-    0.69, 201 CPU-seconds; 600 steps 0.290, greedy 0.95, 247 CPU-seconds): 500 kept pretraining within about
-    three minutes on 2 cores with the base model in the 10-30% band on the machines of earlier sessions (see
-    `min_pass1` for a CPU where it does not)."""
+    accuracy moves steeply with the budget (steps of 28 texts, 7 micro-batches, carry noise 0.2: 500 steps pass@1
+    0.123, greedy 0.69, 201 CPU-seconds; 600 steps 0.290, greedy 0.95, 247 CPU-seconds; carry noise 0.1 on a
+    2-vCPU Xeon: 500 steps 0.099, 525 steps 0.179, greedy 0.85): 500 keeps pretraining within about three minutes
+    on 2 cores with the base model in the 10-30% band (see `min_pass1` for a CPU where it does not)."""
     batch_size: int = 28
     """Training texts per step (fresh problems every step)."""
     micro_batches: int = 7
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", default=".cache/treepo-ray", help="cache root of base models")
     parser.add_argument("--out", default="", help="write the model here instead of the cache (always retrains)")
-    parser.add_argument("overrides", nargs="*", help="PretrainConfig overrides, e.g. steps=800 task.noise=0.2")
+    parser.add_argument("overrides", nargs="*", help="PretrainConfig overrides, e.g. steps=800 chain.carry_noise=0.2")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     cfg = config_io.apply_overrides(PretrainConfig(), args.overrides)
     if args.out:
