@@ -2,18 +2,16 @@
 Skipped where deepspeed is not installed (it is an optional extra); its first run JIT-compiles a CPU op (~1-2 min)."""
 
 import dataclasses
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("deepspeed")
 
 from treepo_ray.algo.losses import LossConfig  # noqa: E402
 from treepo_ray.learner import Learner, LearnerConfig  # noqa: E402
 from treepo_ray.learner.strategy import DeepSpeedZeRO, Strategy  # noqa: E402
-from learner_testlib import SHARDS, samples  # noqa: E402
+from learner_testlib import SHARDS, run_two_ranks, samples  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +22,7 @@ def _config() -> LearnerConfig:
                          loss=LossConfig(kl_coef=0.05, entropy_coef=0.01))
 
 
-def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     learner = Learner(model_path, _config(), rank=rank, world_size=2, master_port=port)
     assert type(learner.strategy) is DeepSpeedZeRO
@@ -47,14 +45,8 @@ def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
     learner.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_deepspeed_zero2_two_ranks(tiny, tmp_path):
-    mp.spawn(_worker, args=(tiny, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_two_ranks(_worker, tiny, str(tmp_path))
     r = torch.load(tmp_path / "results.pt", weights_only=False)
 
     single = Learner(tiny, _config())  # world_size 1: the plain model, whatever the strategy

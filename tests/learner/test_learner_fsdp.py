@@ -2,17 +2,15 @@
 trees (token-mean, and the per-node loss with tree weights) and unpadded rows (seq-mean)."""
 
 import dataclasses
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from treepo_ray.algo.losses import LossConfig
 from treepo_ray.learner import Learner, LearnerConfig, TrainSample, shard_trees
 from treepo_ray.learner.strategy import FSDP2
-from learner_testlib import SHARDS, random_train_trees, samples
+from learner_testlib import SHARDS, random_train_trees, run_two_ranks, samples
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +39,7 @@ def _config(aggregation: str) -> LearnerConfig:
 STEPS = 2
 
 
-def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the cores
     results, learners = {}, []
     for aggregation in AGGREGATIONS:
@@ -57,20 +55,13 @@ def _worker(rank: int, model_path: str, port: int, out_dir: str) -> None:
         torch.save(results, f"{out_dir}/results.pt")
     else:
         assert weights == {}  # only rank 0 receives the gathered weights
-    # The first Learner created the process group (the others joined it): closing it destroys the group. A worker
-    # that exits with the group alive can abort in gloo's threads ("terminate called without an active exception").
+    # The first Learner created the process group (the others joined it): closing it destroys the group.
     for learner in learners:
         learner.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_fsdp2_ranks_match_one_process(tiny, tmp_path):
-    mp.spawn(_worker, args=(tiny, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_two_ranks(_worker, tiny, str(tmp_path))
     results = torch.load(tmp_path / "results.pt", weights_only=False)
 
     for aggregation in AGGREGATIONS:
