@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+import warnings
 
 import yaml
 
@@ -521,6 +522,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         preset.append("learner.off_policy=behaviour")
     if preset:
         cfg = config_io.load(cls, None, preset + args)
+    if cfg.runtime.max_staleness > 0 and cfg.learner.off_policy == "recompute":
+        warnings.warn(f"learner.off_policy = 'recompute' with runtime.max_staleness = {cfg.runtime.max_staleness}: "
+                      f"batches sampled by older weights train as if on-policy (the ratio to the current weights); "
+                      f"'behaviour' (the default here) or 'decoupled' correct for the staleness", stacklevel=2)
     if cfg.learner.loss.aggregation == "node-mean" and cfg.algo.name not in PER_NODE:
         raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
                         f"{PER_NODE}), not algo.name = {cfg.algo.name!r}")
