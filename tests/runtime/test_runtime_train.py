@@ -17,7 +17,7 @@ import pytest
 from treepo_ray.job.config import load_config
 from treepo_ray.job.viz import main as viz_main
 from treepo_ray.learner import list_checkpoints
-from treepo_ray.runtime.train import gauge_name
+from treepo_ray.runtime.train import format_summary, gauge_name
 from treepo_ray.runtime.train import main as train_main
 from runtime_testlib import small, wandb_logged_keys
 
@@ -53,6 +53,8 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     assert 0.0 <= summary["base_accuracy"] <= 1.0 and 0.0 <= summary["final_accuracy"] <= 1.0
     assert summary["trajectories"] == 4 * 16 and summary["trajectories_per_s"] > 0
     assert summary["tree_counters"]["branches"] > 0  # growth/* totals of the resumed invocation's steps
+    # The console line gives the steps' own time (both invocations'), not the job's start-up and base evaluation
+    assert f"4 steps in {summary['train_time_s']:.0f}s of training" in format_summary(summary).splitlines()[0]
     assert [s for s, _ in list_checkpoints(run)] == [4]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "critic/score/mean" in r] == [1, 2, 3, 4]

@@ -286,8 +286,10 @@ def _train(cfg: TrainConfig, job: Job, pipe, run_dir: str, resume_from: str | No
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"== {s['algorithm']}: {s['steps']} steps in {s['wall_time_s']:.0f}s "
-             f"({s['trajectories_per_s']:.1f} trajectories/s, max_staleness {s['max_staleness']})"]
+    # train_time_s counts the steps; wall_time_s also the start (Ray, base model, base evaluation) before them
+    lines = [f"== {s['algorithm']}: {s['steps']} steps in {s['train_time_s']:.0f}s of training "
+             f"({s['trajectories_per_s']:.1f} trajectories/s, max_staleness {s['max_staleness']}), "
+             f"{s['wall_time_s']:.0f}s since the job started"]
     if s.get("base_accuracy") is not None:
         lines.append(f"   held-out accuracy ({s['eval_problems']} problems, {s['eval_method']}): base {s['base_accuracy']:.3f}"
                      + (f" -> final {s['final_accuracy']:.3f} ({s['improvement_points']:+.1f} points)"
