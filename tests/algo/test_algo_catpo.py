@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, needs_healing, record_heal, sampled_tokens, score_tree
+from treepo_ray.algo.catpo import catpo_metrics, catpo_weights, needs_healing, record_heal, score_tree
+from treepo_ray.algo.credit import sampled_tokens
 from treepo_ray.healing.critique import HealResult
 from treepo_ray.job.config import AlgoConfig
 from treepo_ray.learner.batch import train_trees
@@ -58,7 +59,7 @@ def test_phase4_weights_are_F_over_the_batch_mean_and_reach_the_samples():
     assert sum(w) / len(w) == pytest.approx(1.0)  # normalised: the batch's mean weight is 1
     assert catpo_weights([trees[2], trees[3]]) == [1.0, 1.0]  # all F = 0: uniform, not 0/0
 
-    # What the pipeline does with them (runtime/pipeline.py: make_batch).
+    # What the batch builder does with them (runtime/batches.py: BatchBuilder.credit).
     weighted = train_trees(trees, AlgoConfig(name="catpo").credit(trees), w)
     plain = train_trees(trees, AlgoConfig(name="treerpo").credit(trees))
     assert [t.node_advantages for t in weighted] == [t.node_advantages for t in plain]  # TreeRPO's credit ...

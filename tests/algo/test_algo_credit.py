@@ -1,4 +1,4 @@
-"""Credit assignment over a batch of scored trees (algo/credit.py): hand-computed advantages per algorithm, DAPO's
+"""Credit assignment over a batch of scored trees (each algorithm's file, algo/credit.py): hand-computed advantages per algorithm, DAPO's
 filter and the batch statistics (no Ray, no model)."""
 
 import math
@@ -6,7 +6,10 @@ import math
 import pytest
 
 from treepo_ray.algo.credit import advantage_metrics, keep_tree, tree_metrics
-from treepo_ray.job.config import AlgoConfig
+from treepo_ray.algo import AlgoConfig
+from treepo_ray.algo.grpo import GRPOCreditConfig
+from treepo_ray.algo.treepo import TreePOCreditConfig
+from treepo_ray.algo.treerpo import TreeRPOCreditConfig
 from treepo_ray.tree import Tree
 
 
@@ -34,7 +37,7 @@ def test_grpo_advantage_is_group_normalised():
     # mean 0.5, population std 0.5 -> +-1 (up to eps = 1e-6).
     assert [round(a, 5) for a in adv] == [1.0, -1.0, -1.0, 1.0]
     # Without the scale (Dr. GRPO): only the mean is subtracted.
-    assert AlgoConfig(name="grpo", grpo_scale=False).advantages([chains([1, 0, 0, 1])]) == [[0.5, -0.5, -0.5, 0.5]]
+    assert AlgoConfig(name="grpo", grpo=GRPOCreditConfig(scale=False)).advantages([chains([1, 0, 0, 1])]) == [[0.5, -0.5, -0.5, 0.5]]
 
 
 def test_treepo_subgroup_scores_then_token_weighted_whitening():
@@ -50,7 +53,7 @@ def test_treepo_whitening_spans_the_batch_and_weighs_tokens():
     # Scores +-0.5 and 0, 0: the uniform tree adds nothing to the mean but counts in the batch's std. By tokens
     # (weights 1, 1, 3, 3) the variance is 0.5 / 8, std 0.25; one weight per trajectory: 0.5 / 4, std sqrt(1/8).
     by_tokens = AlgoConfig(name="treepo").advantages([short, uniform])
-    per_trajectory = AlgoConfig(name="treepo", whiten_by_tokens=False).advantages([short, uniform])
+    per_trajectory = AlgoConfig(name="treepo", treepo=TreePOCreditConfig(whiten_by_tokens=False)).advantages([short, uniform])
     assert by_tokens == [pytest.approx([2.0, -2.0], abs=1e-4), pytest.approx([0.0, 0.0], abs=1e-6)]
     assert per_trajectory == [pytest.approx([math.sqrt(2), -math.sqrt(2)], abs=1e-4),
                               pytest.approx([0.0, 0.0], abs=1e-6)]
@@ -73,7 +76,7 @@ def test_treerpo_gives_each_segment_its_node_advantage_and_masks_uniform_sibling
     # CATPO's credit is TreeRPO's (its tree weights are applied by the caller).
     assert AlgoConfig(name="catpo").advantages([two_level_tree([1, 0, 0, 0])]) == [adv]
     # A prune range above the root's children's spread (0.5) masks them too.
-    (pruned,) = AlgoConfig(name="treerpo", treerpo_prune_range=0.6).advantages([two_level_tree([1, 0, 0, 0])])
+    (pruned,) = AlgoConfig(name="treerpo", treerpo=TreeRPOCreditConfig(prune_range=0.6)).advantages([two_level_tree([1, 0, 0, 0])])
     assert [round(a, 4) for a in pruned[0]] == [0.0, 0.0, 2.0, 2.0]
 
 

@@ -3,7 +3,9 @@
 import pytest
 
 from treepo_ray.algo.overlong import OverlongConfig, overlong_penalty, with_overlong_penalty
-from treepo_ray.job.config import AlgoConfig, load_config
+from treepo_ray.algo import AlgoConfig
+from treepo_ray.algo.treepo import TreePOCreditConfig
+from treepo_ray.job.config import load_config
 from treepo_ray.tree import Tree
 
 
@@ -56,7 +58,7 @@ def two_level(rewards):
 
 def test_treepo_ablation_keys():
     t = two_level([1.0, 0.0, 0.0, 0.0])
-    scores = lambda **kw: AlgoConfig(name="treepo", whiten_by_tokens=False, **kw).advantages([t])[0]  # noqa: E731
+    scores = lambda **kw: AlgoConfig(name="treepo", treepo=TreePOCreditConfig(whiten_by_tokens=False, **kw)).advantages([t])[0]  # noqa: E731
     # Levels (root 0.25, A 0.5, B 0.0; leaves are alone): a1 = ((1 - .25) + (1 - .5)) / 2 = 0.625, a2 = -0.375,
     # b1 = b2 = ((0 - .25) + 0) / 2 = -0.125; without the root: 0.5, -0.5, 0, 0; with subgroup rejection B's
     # all-equal group is skipped: b1 = b2 = -0.25. Then whitening over the batch.
@@ -67,8 +69,8 @@ def test_treepo_ablation_keys():
         return list((v - v.mean()) / np.sqrt(v.var() + 1e-8))
 
     assert scores() == pytest.approx(whitened([0.625, -0.375, -0.125, -0.125]))
-    assert scores(treepo_root_group=False) == pytest.approx(whitened([0.5, -0.5, 0.0, 0.0]))
-    assert scores(treepo_subgroup_rejection=True) == pytest.approx(whitened([0.625, -0.375, -0.25, -0.25]))
+    assert scores(root_group=False) == pytest.approx(whitened([0.5, -0.5, 0.0, 0.0]))
+    assert scores(subgroup_rejection=True) == pytest.approx(whitened([0.625, -0.375, -0.25, -0.25]))
 
 
 def test_treepo_prompt_scale_divides_each_prompt_by_its_reward_std():
@@ -76,16 +78,16 @@ def test_treepo_prompt_scale_divides_each_prompt_by_its_reward_std():
     # (levels root .5, A 1, B 0: scores .25, .25, -.25, -.25) over 1/2; no whitening across the two.
     hard, easy = two_level([1.0, 0.0, 0.0, 0.0]), two_level([1.0, 0.0, 0.0, 0.0])
     easy.set_trajectory_rewards([1.0, 1.0, 0.0, 0.0])
-    cfg = AlgoConfig(name="treepo", treepo_scale="prompt")
+    cfg = AlgoConfig(name="treepo", treepo=TreePOCreditConfig(scale="prompt"))
     a_hard, a_easy = cfg.advantages([hard, easy])
     std = 3 ** 0.5 / 4
     assert a_hard == pytest.approx([0.625 / std, -0.375 / std, -0.125 / std, -0.125 / std], rel=1e-5)
     assert a_easy == pytest.approx([0.5, 0.5, -0.5, -0.5], rel=1e-5)
-    batch = AlgoConfig(name="treepo", whiten_by_tokens=False).advantages([hard, easy])
+    batch = AlgoConfig(name="treepo", treepo=TreePOCreditConfig(whiten_by_tokens=False)).advantages([hard, easy])
     assert batch[0] != pytest.approx(a_hard)  # the default whitens the two prompts together
 
 
 def test_treepo_scale_is_checked():
-    with pytest.raises(ValueError, match="treepo_scale"):
-        AlgoConfig(name="treepo", treepo_scale="group")
-    assert load_config(None, ["algo.treepo_scale=prompt"]).algo.treepo_scale == "prompt"
+    with pytest.raises(ValueError, match="algo.treepo.scale"):
+        TreePOCreditConfig(scale="group")
+    assert load_config(None, ["algo.treepo.scale=prompt"]).algo.treepo.scale == "prompt"

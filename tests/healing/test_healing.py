@@ -5,7 +5,8 @@ import pytest
 from treepo_ray.engines.base import SegmentResult
 from treepo_ray.tree import Segment
 from treepo_ray.engines.tiny import build_tokenizer
-from treepo_ray.healing.critique import CritiqueHealer, HealingConfig, find_failure_node, load_prompts
+from treepo_ray.algo.catpo import HealingConfig
+from treepo_ray.healing.critique import CritiqueHealer, find_failure_node, load_prompts
 from treepo_ray.tree.tree import Tree
 
 

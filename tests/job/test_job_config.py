@@ -36,7 +36,7 @@ def test_treepo_paper_settings():
     assert cfg.runtime.max_staleness == 0 and t.fallback_policy == "random"
     assert (t.init_divergence_min, t.init_divergence_max) == (2, 8)
     assert (cfg.data.prompt.max_prompt_tokens, cfg.data.prompt.overlong) == (1024, "truncate_left")
-    assert cfg.algo.treepo_root_group and not cfg.algo.treepo_subgroup_rejection
+    assert cfg.algo.treepo.root_group and not cfg.algo.treepo.subgroup_rejection
 
 
 def test_paper_configs_comment_every_value():
@@ -70,7 +70,7 @@ def test_catpo_treerpo_grpo_paper_configs_are_like_for_like():
 
 def test_default_is_the_cpu_treepo_run_and_overrides_win():
     cfg = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "model.engine_kwargs={max_batch_size: 64}"])
-    assert DEFAULT_CONFIG.name == "cpu.yaml" and cfg.algo.sampler == "sequential"
+    assert DEFAULT_CONFIG.name == "cpu.yaml" and cfg.algo.spec.sampler == "sequential"
     assert cfg.model.engine_kwargs == {"max_batch_size": 64} and cfg.runtime.engine_gpus == 0
     assert load_config(DEFAULT_CONFIG).algo.name == "treepo"
 
@@ -129,7 +129,7 @@ def test_catpo_configs_hold_the_paper_settings():
     assert (paper.learner.lr, paper.trainer.prompts_per_step, paper.learner.mini_batches) == (1e-6, 32, 2)
     cpu = load_config(CONFIG_DIR / "catpo_cpu.yaml")
     assert cpu.algo.name == "catpo" and cpu.model.engine == "hf" and cpu.runtime.num_engines == 1
-    assert load_config(CONFIG_DIR / "catpo_cpu.yaml", ["algo.name=treerpo"]).algo.sampler == "treerpo"
+    assert load_config(CONFIG_DIR / "catpo_cpu.yaml", ["algo.name=treerpo"]).algo.spec.sampler == "treerpo"
 
 
 @pytest.mark.parametrize("override, message", [
@@ -162,9 +162,9 @@ def chains(rewards):
 def test_algorithm_settings_reach_the_credit_and_the_catpo_scoring():
     grpo = load_config(DEFAULT_CONFIG, ["algo.name=grpo"]).algo
     assert [round(a, 5) for a in grpo.advantages([chains([1, 0, 0, 1])])[0]] == [1.0, -1.0, -1.0, 1.0]
-    unscaled = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "algo.grpo_scale=false"]).algo
+    unscaled = load_config(DEFAULT_CONFIG, ["algo.name=grpo", "algo.grpo.scale=false"]).algo
     assert unscaled.advantages([chains([1, 0, 0, 1])]) == [[0.5, -0.5, -0.5, 0.5]]
-    assert load_config(DEFAULT_CONFIG, ["algo.name=catpo"]).algo.sampler == "treerpo"
+    assert load_config(DEFAULT_CONFIG, ["algo.name=catpo"]).algo.spec.sampler == "treerpo"
     # Four one-token leaves, one right, equal log-probs: p = 1/4 and F = 3/16 = 0.1875, informative under the
     # paper's tau_high (0.10), stale under a tau_high above F.
     tree = Tree(prompt_ids=[5, 6], query_id="t")
@@ -172,5 +172,8 @@ def test_algorithm_settings_reach_the_credit_and_the_catpo_scoring():
         tree.add_node(0, [10], [-1.0], "eos")
     tree.trajectories = tree.leaves()
     tree.set_trajectory_rewards([1, 0, 0, 0])
-    assert load_config(DEFAULT_CONFIG).algo.catpo.score(tree)["regime"] == "informative"
-    assert load_config(DEFAULT_CONFIG, ["algo.catpo.tau_high=0.2"]).algo.catpo.score(tree)["regime"] == "stale"
+    for overrides, regime in (([], "informative"), (["algo.catpo.tau_high=0.2"], "stale")):
+        algo = load_config(DEFAULT_CONFIG, ["algo.name=catpo", *overrides]).algo
+        scored = Tree.from_dict(tree.to_dict())
+        algo.spec.score(scored, algo)
+        assert scored.meta["catpo"]["regime"] == regime

@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from treepo_ray.algo.losses import LossConfig, tree_policy_loss
-from treepo_ray.job.config import LOSS_PRESETS
+from treepo_ray.algo import ALGORITHMS
 from treepo_ray.learner import TrainTree
 from treepo_ray.learner.learner import micro_batch_logprobs, prepare_model
 from treepo_ray.learner.packing import (COUNT, NEG, POS, WEIGHT, TreeIndex, denominators, loss_weights,
@@ -16,7 +16,6 @@ from treepo_ray.learner.packing import (COUNT, NEG, POS, WEIGHT, TreeIndex, deno
 from treepo_ray.learner.tree_attention import Block, build_layout, tree_attention
 from learner_testlib import random_train_trees
 
-ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
 CPU = torch.device("cpu")
 
 
@@ -169,11 +168,11 @@ def assert_same_gradient(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[name], w, rtol=1e-6, atol=1e-6 * float(w.abs().max()), msg=name)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_packed_and_unpacked_give_the_same_loss_and_gradient(algorithm):
-    rng = np.random.default_rng(ALGORITHMS.index(algorithm))
+    rng = np.random.default_rng(list(ALGORITHMS).index(algorithm))
     trees = random_train_trees(rng, algorithm, n=3, depth=(2, 4), branch=(1, 3), seg=(2, 4))
-    loss_cfg = LossConfig(**{**LOSS_PRESETS[algorithm], "kl_coef": 0.05, "entropy_coef": 0.01, "dual_clip": 3.0})
+    loss_cfg = LossConfig(**{**ALGORITHMS[algorithm].loss, "kl_coef": 0.05, "entropy_coef": 0.01, "dual_clip": 3.0})
     model = tiny_qwen()
     assert any(p.nodes[0] not in p.owned for t, tree in enumerate(trees) for p in split_tree(TreeIndex(tree), t, 10))
     # Old log-probs: the behaviour ones (ratios far from 1, clipping in play); for treepo also ratio 1.
@@ -188,7 +187,7 @@ def test_packed_and_unpacked_give_the_same_loss_and_gradient(algorithm):
 def test_attention_modes_train_alike():
     trees = random_train_trees(np.random.default_rng(7), "treepo", n=2)
     model = tiny_qwen()
-    loss_cfg = LossConfig(**LOSS_PRESETS["treepo"])
+    loss_cfg = LossConfig(**ALGORITHMS["treepo"].loss)
     base_loss, base = gradients(model, trees, "tree", "behaviour", loss_cfg, attention="gather")
     loss, grads = gradients(model, trees, "tree", "behaviour", loss_cfg, attention="sdpa")
     assert loss == pytest.approx(base_loss, rel=1e-9)

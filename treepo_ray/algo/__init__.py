@@ -1,5 +1,7 @@
-"""Layer 2: credit assignment and objectives (numpy; torch only for the losses). No Ray."""
+"""Layer 1: the algorithms (one file each: grpo, dapo, treepo, treerpo, catpo; spec.py, algorithms.py), their
+credit assignment and the one policy loss (numpy; torch only for the loss). No Ray, no model."""
 
+from treepo_ray.algo.algorithms import ALGORITHMS, AlgoConfig
 from treepo_ray.algo.advantages import dapo_keep_group, grpo_advantages, treepo_scores, whiten
 from treepo_ray.algo.informativeness import (
     DEAD_CORRECT,
@@ -13,17 +15,20 @@ from treepo_ray.algo.informativeness import (
     leaf_pass_rate,
     tree_informativeness,
 )
-from treepo_ray.algo.losses import LossConfig, aggregate, kl_penalty, policy_loss
+from treepo_ray.algo.losses import LossConfig, kl_penalty, tree_policy_loss
+from treepo_ray.algo.spec import Algorithm
 from treepo_ray.algo.treerpo import leaf_mask, propagate_rewards, treerpo_advantages
 
 __all__ = [
+    "ALGORITHMS",
+    "AlgoConfig",
+    "Algorithm",
     "DEAD_CORRECT",
     "DEAD_WRONG",
     "INFORMATIVE",
     "REGIMES",
     "STALE",
     "LossConfig",
-    "aggregate",
     "classify_tree",
     "dapo_keep_group",
     "grpo_advantages",
@@ -32,10 +37,10 @@ __all__ = [
     "kl_penalty",
     "leaf_mask",
     "leaf_pass_rate",
-    "policy_loss",
     "propagate_rewards",
     "treepo_scores",
     "tree_informativeness",
+    "tree_policy_loss",
     "treerpo_advantages",
     "whiten",
 ]

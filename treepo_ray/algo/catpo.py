@@ -1,13 +1,18 @@
-"""CATPO's plain parts: phase 2 (score and classify each verified tree), the bookkeeping of phase 3 (what healing
-did), phase 4 (per-tree loss weights) and the per-step metrics.
+"""CATPO: TreeRPO's trees and credit, plus three phases of its own.
 
-CATPO (see DESIGN.md and papers/catpo.txt) samples TreeRPO trees. Right after a tree is verified, its scheduler
-calls `score_tree` (F(T) from the rollout's own log-probs, no extra forward pass) and, for a dead-wrong tree, the
-healer (runtime/healer.py); `score_tree` then runs again on the healed tree. Each tree's advantages are weighted by
-w(T) = F / mean F over the batch (`catpo_weights`).
+    sampler, credit, loss   TreeRPO's (treerpo.py; algo.treerpo)
+    phase 2 (score)         right after a tree is verified, on its scheduler: F(T) from the rollout's own log-probs
+                            (no extra forward pass) and the tree's regime (Table 1: algo.catpo.tau_low, tau_high,
+                            var_cut); `score_tree`
+    phase 3 (heal)          a dead-wrong tree is healed by the policy's own critique (healing/critique.py, run by the
+                            healer actor, runtime/healer.py; algo.catpo.healing), then scored again
+    phase 4 (weights)       each tree's advantages scaled by w(T) = F / mean F over the batch (eq. 6; `catpo_weights`)
+    metrics                 trees per regime, F before and after healing, what healing did and cost (`catpo/*`)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,7 +23,61 @@ from treepo_ray.algo.informativeness import (
     informativeness_weights,
     tree_informativeness,
 )
+from treepo_ray.algo.treerpo import TreeRPO
 from treepo_ray.tree.tree import Tree
+
+
+@dataclass
+class HealingConfig:
+    """algo.catpo.healing: phase 3's settings (paper Table 5)."""
+
+    epsilon: float = 0.05
+    """A node is the failure point when all its children have propagated reward below this."""
+    num_refinements: int = 4
+    """k: corrected continuations grafted per healed tree."""
+    critique_temperature: float = 0.3
+    """Sampling temperature of the critique."""
+    critique_max_tokens: int = 256
+    """Length cap of the critique."""
+    refine_temperature: float = 0.6
+    """Sampling temperature of the corrected continuations."""
+    step_len: int = 0
+    """L_step: each grafted continuation is truncated to this many tokens. 0 = the tree's step length
+    (rollout.treerpo.step_len); a CritiqueHealer needs it >= 1."""
+    logprob_temperature: float = 0.0
+    """Temperature of the grafted tokens' teacher-forced log-probs (the learner's behaviour log-probs). 0 = the
+    tree's sampling temperature (rollout.temperature)."""
+    prompts_path: str = ""
+    """YAML file with the `critique` and `refine` templates (one set, or one set per data source plus `default`);
+    empty = the packaged healing/prompts.yaml."""
+
+
+@dataclass
+class CatpoConfig:
+    """algo.catpo: CATPO's informativeness thresholds and healing (paper Tables 1 and 5)."""
+
+    tau_low: float = 0.025
+    """F at or below this (with near-unanimous leaves) makes a tree dead-correct or dead-wrong."""
+    tau_high: float = 0.10
+    """F above this makes a tree informative; between the two it is stale."""
+    var_cut: float = 0.05
+    """Dead-tree variance cutoff: p (1 - p) below this counts as near-unanimous."""
+    heal: bool = True
+    """Phase 3: critique-guided healing of dead-wrong trees (off = score and weight only)."""
+    weighting: bool = True
+    """Phase 4: scale each tree's advantages by w(T) = F / mean F (off = TreeRPO's uniform weights)."""
+    healing: HealingConfig = field(default_factory=HealingConfig)
+    """Healing settings (k, temperatures, critique length, prompts file)."""
+    heal_concurrency: int = 8
+    """Trees the healer actor heals at once (each mostly waits on the generator pool)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tau_low <= self.tau_high:
+            raise ValueError(f"algo.catpo: need 0 <= tau_low ({self.tau_low}) <= tau_high ({self.tau_high})")
+        if not self.var_cut > 0:
+            raise ValueError(f"algo.catpo.var_cut = {self.var_cut}; it must be > 0")
+        if self.heal_concurrency < 1:
+            raise ValueError(f"algo.catpo.heal_concurrency = {self.heal_concurrency}; it must be >= 1")
 
 
 def score_tree(tree: Tree, tau_low: float, tau_high: float, var_cut: float) -> dict:
@@ -60,17 +119,6 @@ def catpo_weights(trees: list[Tree]) -> list[float]:
     return [float(w) for w in informativeness_weights([tree_informativeness(t)[0] for t in trees])]
 
 
-def sampled_tokens(trees: list[Tree]) -> int:
-    """Tokens generated for these trees: every sampled segment plus the healing's critiques and continuations
-    (grafted segments are counted once, as part of the healing's generated tokens, before truncation)."""
-    total = 0
-    for t in trees:
-        grafted = set(t.meta.get("grafted", []))
-        total += sum(len(t.tokens[n]) for n in range(1, len(t)) if n not in grafted)
-        total += t.meta.get("catpo", {}).get("heal", {}).get("generated_tokens", 0)
-    return total
-
-
 def catpo_metrics(trees: list[Tree], weights: list[float] | None = None) -> dict:
     """Per-step CATPO figures: trees per regime as sampled (phase 2), mean F before and after healing, what
     healing attempted, healed (a grafted branch verified correct) and cost, and the spread of the loss weights."""
@@ -101,3 +149,26 @@ def catpo_metrics(trees: list[Tree], weights: list[float] | None = None) -> dict
         out["catpo/weight_max"] = float(max(weights))
         out["catpo/weight_zero_share"] = float(np.mean([w == 0 for w in weights]))
     return out
+
+
+class CATPO(TreeRPO):
+    name = "catpo"
+
+    def healing(self, cfg) -> CatpoConfig | None:
+        return cfg.catpo if cfg.catpo.heal else None
+
+    def score(self, tree: Tree, cfg) -> None:
+        c = cfg.catpo
+        score_tree(tree, c.tau_low, c.tau_high, c.var_cut)
+
+    def needs_healing(self, tree: Tree) -> bool:
+        return needs_healing(tree)
+
+    def record_heal(self, tree: Tree, result, error: str = "") -> None:
+        record_heal(tree, result, error)
+
+    def tree_weights(self, trees: list[Tree], cfg) -> list[float] | None:
+        return catpo_weights(trees) if cfg.catpo.weighting else None
+
+    def metrics(self, trees: list[Tree], weights: list[float] | None) -> dict:
+        return catpo_metrics(trees, weights)

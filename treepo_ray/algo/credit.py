@@ -1,4 +1,6 @@
-"""Credit assignment over a batch of scored trees: each algorithm's advantages, DAPO's filter, the batch's statistics.
+"""What every algorithm's credit assignment shares: the credit type the learner takes, the trajectory rewards,
+DAPO's filter and the batch's statistics. Each algorithm's own advantages are in its file (grpo.py, treepo.py,
+treerpo.py; spec.py says what an algorithm is).
 
 Every algorithm starts from trees whose trajectory rewards are set (Tree.set_trajectory_rewards); i.i.d. sampling is
 a tree too (a root with G chains), so one code path serves all of them. The result is one advantage per trajectory
@@ -12,22 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treepo_ray.algo.advantages import dapo_keep_group, grpo_advantages, treepo_scores, whiten
-from treepo_ray.algo.treerpo import treerpo_advantages
+from treepo_ray.algo.advantages import dapo_keep_group
 from treepo_ray.tree.growth import growth_counters
 from treepo_ray.tree.tree import Tree
 
-ALGORITHMS = ("grpo", "dapo", "treepo", "treepo_flat", "treerpo", "catpo")
-
 Advantage = float | list[float]
 """Of one trajectory: one number for its whole response, or one per response token."""
-
-TREEPO_SCALES = ("batch", "prompt")
-"""How TreePO scales its subgroup scores: one whitening over the batch, or per prompt by its reward std."""
-PROMPT_STD_EPS = 1e-6  # GRPO's epsilon (grpo_advantages): an all-equal prompt scores 0, not a division by 0
-
-PER_NODE = ("treerpo", "catpo")
-"""Algorithms whose loss counts each node once (CATPO eq. 7), from per-node advantages."""
 
 
 @dataclass
@@ -35,7 +27,7 @@ class TreeCredit:
     """One tree's credit, as the learner takes it."""
 
     trajectories: list[Advantage]
-    """Every trajectory's advantage (tree_advantages): what the per-trajectory losses train on."""
+    """Every trajectory's advantage (Algorithm.advantages): what the per-trajectory losses train on."""
     nodes: list[float] | None = None
     """Per-node algorithms: each node's advantage (0 for the root)."""
     node_mask: list[bool] | None = None
@@ -52,71 +44,6 @@ def trajectory_rewards(tree: Tree) -> np.ndarray:
 def keep_tree(tree: Tree) -> bool:
     """DAPO's filter (eq. 11): a prompt is kept only when its trajectories' rewards are not all equal."""
     return dapo_keep_group(trajectory_rewards(tree))
-
-
-def tree_advantages(trees: list[Tree], algorithm: str, *, treepo_weighting: str, whiten_by_tokens: bool,
-                    grpo_scale: bool, treerpo_prune_range: float, treepo_root_group: bool = True,
-                    treepo_subgroup_rejection: bool = False, treepo_scale: str = "batch") -> list[list[Advantage]]:
-    """The advantage of every trajectory of every tree (`out[t][k]`: tree t's k-th trajectory).
-
-    treepo: TreePO eq. 5 numerator per prompt, then with `treepo_scale` 'batch' one whitening over the whole batch
-    (the official script; weighted by tokens when `whiten_by_tokens`, so the token-mean loss sees zero-mean
-    unit-variance advantages), with 'prompt' each prompt's scores divided by the std of its rewards (GRPO's
-    per-group scale: a prompt with one success in 16 weighs as much as one with eight). treerpo and catpo: every
-    token of a node's segment gets that node's sibling-relative advantage (CATPO's credit is TreeRPO's; its tree
-    weights are applied by the caller). grpo, dapo, treepo_flat: one flat group per prompt (Shao et al. 2024).
-    """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm {algorithm!r} is not one of {ALGORITHMS}")
-    if algorithm == "treepo":
-        if treepo_scale not in TREEPO_SCALES:
-            raise ValueError(f"treepo_scale must be one of {TREEPO_SCALES}, got {treepo_scale!r}")
-        scores, lengths = [], []
-        for tree in trees:
-            scores.append(treepo_scores(tree.trajectory_paths(), trajectory_rewards(tree), weighting=treepo_weighting,
-                                        include_root=treepo_root_group,
-                                        skip_uniform_subgroups=treepo_subgroup_rejection))
-            lengths += [len(tree.response_ids(n)) for n in tree.trajectories]
-        if treepo_scale == "prompt":
-            return [(s / (trajectory_rewards(tree).std() + PROMPT_STD_EPS)).tolist() for tree, s in zip(trees, scores)]
-        flat = [s for per_tree in scores for s in per_tree]
-        if not flat:
-            return [[] for _ in trees]
-        adv = iter(whiten(flat, weights=lengths if whiten_by_tokens else None).tolist())
-        return [[next(adv) for _ in per_tree] for per_tree in scores]
-    if algorithm in ("treerpo", "catpo"):
-        return [_treerpo_token_advantages(tree, treerpo_prune_range) for tree in trees]
-    return [grpo_advantages(trajectory_rewards(tree), scale=grpo_scale).tolist() for tree in trees]
-
-
-def tree_credit(trees: list[Tree], algorithm: str, **settings) -> list[TreeCredit]:
-    """Each tree's credit: the trajectories' advantages (tree_advantages, same settings) and, for TreeRPO and
-    CATPO, each node's advantage and whether it takes part in the per-node loss."""
-    per_trajectory = tree_advantages(trees, algorithm, **settings)
-    if algorithm not in PER_NODE:
-        return [TreeCredit(a) for a in per_trajectory]
-    out = []
-    for tree, traj in zip(trees, per_trajectory):
-        adv, mask = _treerpo_node_advantages(tree, settings["treerpo_prune_range"])
-        out.append(TreeCredit(traj, adv.tolist(), mask.tolist()))
-    return out
-
-
-def _treerpo_node_advantages(tree: Tree, prune_range: float) -> tuple[np.ndarray, np.ndarray]:
-    """Each node's sibling-relative advantage and its mask (False where the sibling group is pruned)."""
-    rewards = np.array(tree.reward, dtype=np.float64)
-    on_path = sorted({n for p in tree.trajectory_paths() for n in p} | {0})
-    if np.isnan(rewards[on_path]).any():
-        raise ValueError(f"tree {tree.query_id!r}: a node on a trajectory has no propagated reward")
-    rewards = np.nan_to_num(rewards, nan=0.0)  # nodes off every trajectory are never trained
-    return treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
-
-
-def _treerpo_token_advantages(tree: Tree, prune_range: float) -> list[list[float]]:
-    """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
-    adv, mask = _treerpo_node_advantages(tree, prune_range)
-    node_adv = np.where(mask, adv, 0.0)
-    return [[float(node_adv[n]) for n in tree.path(end) for _ in tree.tokens[n]] for end in tree.trajectories]
 
 
 def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_limit: int | None = None) -> dict:
@@ -148,6 +75,7 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_lim
         # Share of trajectory tokens that were not generated separately because a prefix was shared.
         "tree/shared_prefix_share": 1.0 - generated / path_tokens if path_tokens else 0.0,
         "tree/unique_tokens": float(sum(t.unique_tokens() for t in trees)),
+        "rollout/sampled_tokens": float(sampled_tokens(trees)),
     }
     if response_limit and lengths:
         out["response_length/clip_ratio"] = float(np.mean([n >= response_limit for n in lengths]))
@@ -156,6 +84,17 @@ def tree_metrics(trees: list[Tree], correct_threshold: float = 1.0, response_lim
         out[f"tree/{key}"] = float(np.mean([g.get(key, 0) for g in growth]))
     out.update(growth_counters(trees))  # growth/<mechanism>, stop reasons included: this batch's totals
     return out
+
+
+def sampled_tokens(trees: list[Tree]) -> int:
+    """Tokens generated for these trees: every sampled segment plus what healing generated (critiques and
+    continuations, algo/catpo.py); grafted segments are counted once, as part of healing's generated tokens."""
+    total = 0
+    for t in trees:
+        grafted = set(t.meta.get("grafted", []))
+        total += sum(len(t.tokens[n]) for n in range(1, len(t)) if n not in grafted)
+        total += t.meta.get("catpo", {}).get("heal", {}).get("generated_tokens", 0)
+    return total
 
 
 def advantage_metrics(trees: list[Tree], advantages: list[list[Advantage]], weights: list[float] | None = None) -> dict:

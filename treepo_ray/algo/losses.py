@@ -1,12 +1,20 @@
-"""Policy-gradient losses on token log-probs: PPO clipped surrogate with DAPO clip-higher, dual-clip, KL, entropy.
+"""The policy loss every algorithm trains with: PPO's clipped surrogate with DAPO's clip-higher, dual-clip, a KL
+penalty to the reference policy and an entropy term, on token log-probs.
 
-Two forms of one objective:
-- `policy_loss`: the per-sequence definition on padded [B, T] tensors (mask 1 on response tokens, 0 on
-  prompt/padding; advantages [B] or [B, T]) with token-mean or seq-mean aggregation: the reference.
-- `tree_policy_loss`: the same terms as a weighted sum over scored tokens, each token once, with per-token weights
-  that carry the advantages and normalisers of every trajectory through it (learner/packing.py builds them; the
-  learner trains with this form, packed or not). It also takes the decoupled-PPO behaviour weights.
-Only shapes and the config are checked here (a NaN check would force a device sync on every step).
+Per response token t of trajectory i (advantage A_i, or A_t per token; r = exp(logp - old)):
+    pg_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            (PPO, Schulman et al. 2017; DAPO eq. 10)
+           capped at -A c for A < 0 with dual_clip = c                     (Ye et al. 2020)
+    loss = agg(pg) + kl_coef agg(kl(logp, ref)) - entropy_coef agg(entropy)
+with `agg` the aggregation: token-mean (every response token of the batch once: DAPO, TreePO), seq-mean (each
+trajectory's mean, then the mean over trajectories: GRPO), node-mean (each tree node's mean over its tokens, then
+the mean over the nodes that take part, with per-node advantages: TreeRPO, CATPO eq. 7). Each algorithm's setting
+of these fields is its `loss` (algo/<name>.py).
+
+`tree_policy_loss` computes exactly this as a weighted sum over the distinct tokens of packed trees: a token shared
+by several trajectories is scored once, with per-token weights that carry the advantage and the aggregation's
+normaliser of every trajectory (or node) through it. Those weights are built by learner/packing.py (`loss_weights`);
+the learner trains with this function, packed or not. It also takes the decoupled-PPO behaviour weights. Only shapes
+and the config are checked here (a NaN check would force a device sync on every step).
 """
 
 from __future__ import annotations
@@ -74,111 +82,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"estimator = {estimator!r}; choose one of {KL_ESTIMATORS}")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce [B, T] per-token values to a scalar over masked tokens.
-
-    "token-mean": sum(values * mask) / sum(mask). "seq-mean": each sequence's masked mean, then the mean over
-    sequences that have at least one token. Returns 0 (still attached to the graph) when no token is masked.
-    ("node-mean" needs the tree: see tree_policy_loss.)
-    """
-    if values.shape != mask.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but values {tuple(values.shape)}")
-    mask = mask.to(values.dtype)
-    if mode == "token-mean":
-        return (values * mask).sum() / mask.sum().clamp(min=1.0)
-    if mode == "seq-mean":
-        tokens = mask.sum(dim=-1)
-        per_seq = (values * mask).sum(dim=-1) / tokens.clamp(min=1.0)
-        has_tokens = (tokens > 0).to(values.dtype)
-        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    raise ValueError(f"mode = {mode!r}; choose token-mean or seq-mean")
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: LossConfig,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-surrogate policy loss plus optional KL and entropy terms, and the figures a trainer logs.
-
-    Per token (PPO, Schulman et al. 2017, with DAPO's asymmetric clip, Yu et al. 2025 eq. 10):
-        pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)),  ratio = exp(logprobs - old)
-    and with dual-clip, for A < 0: pg = min(pg, -A * c) (Ye et al. 2020). Then
-        loss = agg(pg) + kl_coef * agg(kl_penalty(logprobs, ref)) - entropy_coef * agg(entropy)
-    with agg the configured aggregation. Differentiable w.r.t. logprobs and entropy.
-
-    Metrics: "pg_loss", "kl_loss" (0 without ref_logprobs) and "entropy" (0 without entropy) are the aggregated
-    terms above, so loss = pg_loss + kl_coef * kl - entropy_coef * entropy. "pg_clipfrac" is the share of
-    response tokens whose clipped term is the active one, split into "pg_clipfrac_below" (A < 0, ratio below
-    1 - clip_low) and "pg_clipfrac_above" (A > 0, ratio above 1 + clip_high); "pg_clipfrac_lower" the share
-    capped by dual-clip; "ppo_kl" the mean of old - new log-probs over response tokens (verl's k1 estimate of
-    KL(old || new), so the figure reads as verl's; it can be negative). The names are verl's
-    (the pipeline logs them as actor/<name>), below/above are this project's own split of pg_clipfrac.
-    """
-    shape = logprobs.shape
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
-                    ("entropy", entropy)):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}")
-    if advantages.shape == shape[:1]:
-        advantages = advantages.unsqueeze(-1)
-    elif advantages.shape != shape:
-        raise ValueError(f"advantages must be [B] or [B, T] = {tuple(shape)}, got {tuple(advantages.shape)}")
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("cfg.kl_coef > 0 needs ref_logprobs")
-    if cfg.entropy_coef != 0 and entropy is None:
-        raise ValueError("cfg.entropy_coef != 0 needs the per-token entropy")
-
-    mask = mask.to(logprobs.dtype)
-    advantages = advantages.to(logprobs.dtype).detach()
-    log_ratio = logprobs - old_logprobs.detach()
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    pg = torch.maximum(unclipped, clipped)
-    dual_capped = torch.zeros_like(pg, dtype=torch.bool)
-    if cfg.dual_clip is not None:
-        cap = -advantages * cfg.dual_clip
-        dual_capped = (advantages < 0) & (pg > cap)
-        pg = torch.where(dual_capped, cap.expand_as(pg), pg)
-
-    pg_loss = aggregate(pg, mask, cfg.aggregation)
-    loss = pg_loss
-    zero = pg_loss.new_zeros(())
-    kl = zero
-    if ref_logprobs is not None:
-        kl = aggregate(kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator), mask, cfg.aggregation)
-        if cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * kl
-    ent = zero
-    if entropy is not None:
-        ent = aggregate(entropy, mask, cfg.aggregation)
-        if cfg.entropy_coef != 0:
-            loss = loss - cfg.entropy_coef * ent
-
-    with torch.no_grad():
-        def token_mean(x: torch.Tensor) -> torch.Tensor:
-            return aggregate(x.to(logprobs.dtype), mask, "token-mean")
-
-        adv = advantages.expand_as(pg)
-        clip_low = (adv < 0) & (ratio < 1.0 - cfg.clip_low)
-        clip_high = (adv > 0) & (ratio > 1.0 + cfg.clip_high)
-        figures = torch.stack([
-            pg_loss.detach(), token_mean(clip_low | clip_high), token_mean(clip_low), token_mean(clip_high),
-            token_mean(dual_capped), token_mean(-log_ratio), kl.detach(), ent.detach(),
-            loss.detach(),
-        ]).tolist()  # one device sync for all figures
-    names = ("pg_loss", "pg_clipfrac", "pg_clipfrac_below", "pg_clipfrac_above", "pg_clipfrac_lower", "ppo_kl",
-             "kl_loss", "entropy", "loss")
-    return loss, dict(zip(names, figures))
-
-
 # Per-token loss weights of tree_policy_loss, in column order (learner/packing.py: COLUMNS).
 W_POS, W_NEG, W_WEIGHT, W_COUNT, W_NPOS, W_NNEG = range(6)
 
@@ -197,14 +100,15 @@ def tree_policy_loss(
     entropy: torch.Tensor | None = None,
     behaviour_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """policy_loss as a weighted sum over scored tokens; all tensors [N] except `weights` [N, 6].
+    """The policy loss (module docstring) as a weighted sum over scored tokens; all tensors [N] except `weights`
+    [N, 6].
 
     Columns of `weights` (learner/packing.py): pos = sum of c * A over the trajectories through the token with
     A > 0, neg = the same over A < 0, weight = sum of c (c: the normaliser of each trajectory's, or node's, token),
     count, n_pos, n_neg (trajectories through it: all, A > 0, A < 0). With r = exp(logprobs - old_logprobs),
         pg = -pos * min(r, 1 + clip_high) - neg * min(max(r, 1 - clip_low), dual_clip)
     is the sum over those trajectories of max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (capped at -A c for
-    A < 0 with dual-clip), so it equals policy_loss's terms summed token by token, gradient included. Then
+    A < 0 with dual-clip), so it equals the per-trajectory terms summed token by token, gradient included. Then
         loss = sum(pg * w_b) + kl_coef * sum(weight * kl) - entropy_coef * sum(weight * entropy)
     with w_b the decoupled-PPO behaviour weight pi_prox / pi_behav of each token (AReaL, Fu et al. 2025; 1 when
     None). Returns the loss and the additive sums of TREE_FIGURES (detached).
@@ -252,7 +156,8 @@ def tree_policy_loss(
         count, n_pos, n_neg = w[:, W_COUNT], w[:, W_NPOS], w[:, W_NNEG]
         low = (n_neg * (ratio < 1.0 - cfg.clip_low)).sum()
         high = (n_pos * (ratio > 1.0 + cfg.clip_high)).sum()
-        # Names as policy_loss's (verl's): ppo_kl is the mean of old - new log-probs (k1), once divided by count.
+        # verl's names: ppo_kl is the mean of old - new log-probs (k1, verl's estimate of KL(old || new), so it can
+        # be negative), once divided by count; pg_clipfrac_below/above are this project's split of pg_clipfrac.
         sums = dict(loss=loss.detach(), pg_loss=pg_loss.detach(), kl_loss=kl.detach(), entropy=ent.detach(),
                     count=count.sum(), pg_clipfrac=low + high, pg_clipfrac_below=low, pg_clipfrac_above=high,
                     pg_clipfrac_lower=(n_neg * dual).sum(), ppo_kl=(count * -log_ratio).sum())

@@ -1,15 +1,27 @@
-"""Node-level credit assignment on a rollout tree (TreeRPO, used by CATPO).
+"""TreeRPO (Yang et al. 2025): N-ary trees of depth D, every node's advantage against its siblings; CATPO's credit.
 
-A tree is given by `parent`: an int array with parent[0] = -1 (node 0 is the root, i.e. the prompt) and
+    sampler    treerpo (rollout.treerpo: n_children per node, max_depth steps of step_len tokens)
+    credit     per node (r - mu) / (mu (1 - mu) + eps) over its siblings, rewards propagated bottom-up as means
+               (algo.treerpo: sibling groups whose reward range stays within prune_range take no part)
+    per_node   the loss counts each node once (CATPO eq. 7: node-mean), every token of a node with its advantage
+    loss       PPO clip 0.2 / 0.2 with a k3 KL of 0.001 (CATPO appendix B), node-mean
+
+The node math below takes a tree as `parent`: an int array with parent[0] = -1 (node 0 is the root, i.e. the prompt) and
 0 <= parent[i] < i for every other node, so children always come after their parent. A leaf is a node with no
 children (a root without children is itself a leaf). A tree always has a root, so an empty `parent` raises.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from treepo_ray.algo._checks import finite_1d, has_children, parent_array
+from treepo_ray.algo.credit import Advantage, TreeCredit
+from treepo_ray.algo.grpo import PPO_KL
+from treepo_ray.algo.spec import Algorithm
+from treepo_ray.tree.tree import Tree
 
 
 def leaf_mask(parent) -> np.ndarray:
@@ -81,3 +93,48 @@ def treerpo_advantages(
     adv[kids] = np.where(hi[pk] > lo[pk], (r[1:] - m) / (m * (1.0 - m) + eps), 0.0)
     mask[kids] = (hi[pk] - lo[pk]) > prune_range
     return adv, mask
+
+
+# ---------------------------------------------------------------------------------------------- the algorithm
+
+
+@dataclass
+class TreeRPOCreditConfig:
+    """algo.treerpo: TreeRPO's credit (also CATPO's)."""
+
+    prune_range: float = 0.1
+    """A sibling group takes part only if its reward range reaches this (tau_prune)."""
+
+
+def node_advantages(tree: Tree, prune_range: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's sibling-relative advantage and its mask (False where the sibling group is pruned)."""
+    rewards = np.array(tree.reward, dtype=np.float64)
+    on_path = sorted({n for p in tree.trajectory_paths() for n in p} | {0})
+    if np.isnan(rewards[on_path]).any():
+        raise ValueError(f"tree {tree.query_id!r}: a node on a trajectory has no propagated reward")
+    rewards = np.nan_to_num(rewards, nan=0.0)  # nodes off every trajectory are never trained
+    return treerpo_advantages(tree.parent, rewards, prune_range=prune_range)
+
+
+class TreeRPO(Algorithm):
+    name = "treerpo"
+    sampler = "treerpo"
+    loss = {**PPO_KL, "aggregation": "node-mean"}
+    per_node = True
+
+    def advantages(self, trees: list[Tree], cfg) -> list[list[Advantage]]:
+        """Per trajectory, each token's node advantage (0 where the sibling group is pruned)."""
+        out = []
+        for tree in trees:
+            adv, mask = node_advantages(tree, cfg.treerpo.prune_range)
+            node_adv = np.where(mask, adv, 0.0)
+            out.append([[float(node_adv[n]) for n in tree.path(end) for _ in tree.tokens[n]]
+                        for end in tree.trajectories])
+        return out
+
+    def tree_credit(self, trees: list[Tree], cfg) -> list[TreeCredit]:
+        out = []
+        for tree, traj in zip(trees, self.advantages(trees, cfg)):
+            adv, mask = node_advantages(tree, cfg.treerpo.prune_range)
+            out.append(TreeCredit(traj, adv.tolist(), mask.tolist()))
+        return out

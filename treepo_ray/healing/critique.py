@@ -21,36 +21,12 @@ from typing import Callable
 
 import yaml
 
+from treepo_ray.algo.catpo import HealingConfig
 from treepo_ray.engines.base import SamplingParams, SegmentRequest, SegmentResult
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.tree.tree import Tree
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.yaml")
-
-
-@dataclass
-class HealingConfig:
-    """CATPO's healing settings (paper Table 5)."""
-
-    epsilon: float = 0.05
-    """A node is the failure point when all its children have propagated reward below this."""
-    num_refinements: int = 4
-    """k: corrected continuations grafted per healed tree."""
-    critique_temperature: float = 0.3
-    """Sampling temperature of the critique."""
-    critique_max_tokens: int = 256
-    """Length cap of the critique."""
-    refine_temperature: float = 0.6
-    """Sampling temperature of the corrected continuations."""
-    step_len: int = 0
-    """L_step: each grafted continuation is truncated to this many tokens. 0 = the tree's step length, which
-    the runtime fills in (rollout.treerpo.step_len); a CritiqueHealer needs it >= 1."""
-    logprob_temperature: float = 0.0
-    """Temperature of the grafted tokens' teacher-forced log-probs (the learner's behaviour log-probs). 0 = the
-    tree's sampling temperature, which the runtime fills in (rollout.temperature)."""
-    prompts_path: str = ""
-    """YAML file with the `critique` and `refine` templates (one set, or one set per data source plus `default`);
-    empty = the packaged prompts.yaml."""
 
 
 @dataclass
@@ -116,7 +92,7 @@ class CritiqueHealer:
         generate: Callable[[list[SegmentRequest]], list[SegmentResult]],
         logprob_fn: Callable[[list[int], list[int]], list[float]],
         score_fn: Callable[[Tree, int], float],
-        cfg: HealingConfig = HealingConfig(),
+        cfg: HealingConfig,
     ):
         self.tokenizer, self.generate, self.logprob_fn, self.score_fn, self.cfg = (
             tokenizer, generate, logprob_fn, score_fn, cfg,

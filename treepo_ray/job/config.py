@@ -16,12 +16,9 @@ import yaml
 from treepo_ray import config as config_io
 from treepo_ray.config import UserError
 from treepo_ray import storage
-from treepo_ray.algo.catpo import score_tree
-from treepo_ray.algo.credit import ALGORITHMS, PER_NODE, TREEPO_SCALES, tree_advantages, tree_credit
-from treepo_ray.algo.overlong import OverlongConfig, with_overlong_penalty
+from treepo_ray.algo.algorithms import ALGORITHMS, AlgoConfig
 from treepo_ray.data.datasets import DataConfig
 from treepo_ray.data.evaluate import EvalConfig
-from treepo_ray.healing.critique import HealingConfig
 from treepo_ray.job.logs import LogConfig
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.rewards.custom import RewardFunctionConfig
@@ -30,141 +27,6 @@ from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
 # The CPU demo configuration `treepo-ray train` runs when given no YAML file.
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu.yaml"
-
-
-# ---------------------------------------------------------------------------------------------- algorithm
-
-
-@dataclass
-class CatpoConfig:
-    """CATPO's informativeness thresholds and healing (paper Tables 1 and 5); read only when algo.name=catpo."""
-
-    tau_low: float = 0.025
-    """F at or below this (with near-unanimous leaves) makes a tree dead-correct or dead-wrong."""
-    tau_high: float = 0.10
-    """F above this makes a tree informative; between the two it is stale."""
-    var_cut: float = 0.05
-    """Dead-tree variance cutoff: p (1 - p) below this counts as near-unanimous."""
-    heal: bool = True
-    """Phase 3: critique-guided healing of dead-wrong trees (off = score and weight only)."""
-    weighting: bool = True
-    """Phase 4: scale each tree's advantages by w(T) = F / mean F (off = TreeRPO's uniform weights)."""
-    healing: HealingConfig = field(default_factory=HealingConfig)
-    """Healing settings (k, temperatures, critique length, prompts file); step_len 0 = rollout.treerpo.step_len."""
-    heal_concurrency: int = 8
-    """Trees the healer actor heals at once (each mostly waits on the generator pool)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.tau_low <= self.tau_high:
-            raise ValueError(f"algo.catpo: need 0 <= tau_low ({self.tau_low}) <= tau_high ({self.tau_high})")
-        if not self.var_cut > 0:
-            raise ValueError(f"algo.catpo.var_cut = {self.var_cut}; it must be > 0")
-        if self.heal_concurrency < 1:
-            raise ValueError(f"algo.catpo.heal_concurrency = {self.heal_concurrency}; it must be >= 1")
-
-    def score(self, tree) -> dict:
-        """CATPO phase 2 for one verified tree with these thresholds (algo/catpo.py: score_tree)."""
-        return score_tree(tree, self.tau_low, self.tau_high, self.var_cut)
-
-
-# Each algorithm's own policy loss (its paper's setting), applied under anything a YAML file or the command line
-# sets in learner.loss (see load_config). GRPO: Shao et al. 2024 (PPO clip, per-sequence mean,
-# KL to the reference); DAPO: Yu et al. 2025 (clip-higher, token-level mean, no KL), which TreePO adopts;
-# TreeRPO/CATPO: PPO clip with a k3 KL of 0.001 (CATPO paper, appendix B), each node once (CATPO eq. 7: node-mean).
-_PPO_KL = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.001, "kl_estimator": "k3"}
-_DAPO = {"aggregation": "token-mean", "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0}
-LOSS_PRESETS = {
-    "grpo": {**_PPO_KL, "aggregation": "seq-mean"},
-    "dapo": _DAPO, "treepo": _DAPO, "treepo_flat": _DAPO,
-    "treerpo": {**_PPO_KL, "aggregation": "node-mean"}, "catpo": {**_PPO_KL, "aggregation": "node-mean"},
-}
-
-DYNAMIC_SAMPLING_BY_DEFAULT = ("dapo", "treepo", "treepo_flat")
-
-# Which grower config an algorithm samples with.
-SAMPLER_OF = {"grpo": "sequential", "dapo": "sequential", "treepo": "treepo", "treepo_flat": "treepo",
-              "treerpo": "treerpo", "catpo": "treerpo"}
-
-
-@dataclass
-class AlgoConfig:
-    """Which algorithm runs, and its credit-assignment knobs (the loss lives in learner.loss)."""
-
-    name: str = "treepo"
-    """grpo | dapo | treepo | treepo_flat (tree sampling, flat GRPO advantage) | treerpo | catpo (TreeRPO trees,
-    scored, healed and weighted: algo/catpo.py)."""
-    dynamic_sampling: bool | None = None
-    """DAPO dynamic sampling: drop prompts whose trajectories all got the same reward, refill from new prompts.
-    None = the algorithm's own: on for dapo, treepo and treepo_flat (TreePO trains with DAPO's protocol; a group
-    without signal would only shift the batch whitening), off for grpo and treerpo."""
-    oversample: float = 1.0
-    """With dynamic sampling: prompts grown per round as a multiple of trainer.prompts_per_step (DAPO/TreePO: 3)."""
-    max_extra_rounds: int = 2
-    """With dynamic sampling: at most this many extra rounds when too few prompts kept (then train on what is kept)."""
-    treepo_weighting: str = "average"
-    """TreePO subgroup aggregation: 'average' (paper default) or 'size'."""
-    treepo_root_group: bool = True
-    """TreePO: the whole prompt's group is one of each trajectory's levels (False = the paper's no-root ablation)."""
-    treepo_subgroup_rejection: bool = False
-    """TreePO: skip subgroups whose rewards are all equal (the paper's subgroup-level rejection ablation)."""
-    treepo_scale: str = "batch"
-    """TreePO: 'batch' whitens the subgroup scores over the whole batch (the official script's REINFORCE++
-    normalisation); 'prompt' divides each prompt's scores by the std of its rewards, as GRPO does per group."""
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    """DAPO's overlong reward buffer, applied to trajectory rewards before credit (algo/overlong.py)."""
-    whiten_by_tokens: bool = True
-    """TreePO: batch whitening weighted by each trajectory's token count (False = one weight per trajectory)."""
-    grpo_scale: bool = True
-    """GRPO/DAPO/treepo_flat: divide by the group's std (False = only subtract the mean, Dr. GRPO style)."""
-    treerpo_prune_range: float = 0.1
-    """TreeRPO: a sibling group takes part only if its reward range reaches this (tau_prune)."""
-    loss_preset: bool = True
-    """Start learner.loss from the algorithm's own loss (LOSS_PRESETS); keys set in learner.loss by a YAML file or
-    the command line still win. False = learner.loss's plain defaults."""
-    correct_threshold: float = 1.0
-    """A trajectory counts as correct (accuracy metrics) when its reward is at least this."""
-    catpo: CatpoConfig = field(default_factory=CatpoConfig)
-    """CATPO: informativeness thresholds, healing, loss weights (used when name = catpo)."""
-
-    def __post_init__(self) -> None:
-        if self.name not in ALGORITHMS:
-            raise ValueError(f"algo.name = {self.name!r}; choose one of {ALGORITHMS}")
-        if self.oversample < 1.0:
-            raise ValueError(f"algo.oversample = {self.oversample}; it must be >= 1")
-        if self.max_extra_rounds < 0:
-            raise ValueError(f"algo.max_extra_rounds = {self.max_extra_rounds}; it must be >= 0")
-        if self.treepo_scale not in TREEPO_SCALES:
-            raise ValueError(f"algo.treepo_scale = {self.treepo_scale!r}; choose one of {TREEPO_SCALES}")
-
-    @property
-    def sampler(self) -> str:
-        return SAMPLER_OF[self.name]
-
-    @property
-    def filters_groups(self) -> bool:
-        """Whether DAPO dynamic sampling is on (dynamic_sampling, or the algorithm's default when None)."""
-        if self.dynamic_sampling is None:
-            return self.name in DYNAMIC_SAMPLING_BY_DEFAULT
-        return self.dynamic_sampling
-
-    def advantages(self, trees: list) -> list:
-        """Every trajectory's advantage under this algorithm's credit settings (algo/credit.py), from the rewards
-        with the overlong penalty when it is on."""
-        return tree_advantages(self._penalised(trees), self.name, **self._credit_settings())
-
-    def credit(self, trees: list) -> list:
-        """Each tree's credit as the learner takes it: trajectory advantages, and per-node ones for TreeRPO and
-        CATPO (algo/credit.py: tree_credit), from the rewards with the overlong penalty when it is on."""
-        return tree_credit(self._penalised(trees), self.name, **self._credit_settings())
-
-    def _penalised(self, trees: list) -> list:
-        return with_overlong_penalty(trees, self.overlong) if self.overlong.enable else trees
-
-    def _credit_settings(self) -> dict:
-        return dict(treepo_weighting=self.treepo_weighting, whiten_by_tokens=self.whiten_by_tokens,
-                    grpo_scale=self.grpo_scale, treerpo_prune_range=self.treerpo_prune_range,
-                    treepo_root_group=self.treepo_root_group,
-                    treepo_subgroup_rejection=self.treepo_subgroup_rejection, treepo_scale=self.treepo_scale)
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -181,14 +43,12 @@ class FaultConfig:
     max_resends: int = 16
     """A tree's requests are sent again to another engine at most this many times per call (engine losses)."""
     engine_wait_s: float = 900.0
-    """A scheduler that has no live engine waits this long for a replacement before failing the run."""
+    """A call on the engines that finds no live engine waits this long for a replacement before stopping the run."""
     verifier_retries: int = 2
     """A scoring call that fails (verifier lost) or times out is retried this many times on the next verifier;
     after that its solutions are scored as failures (the rewards layer's wrong score), with the reason logged."""
     verifier_call_timeout_s: float = 120.0
     """One scoring call longer than this is abandoned, its verifier restarted, and the call retried."""
-    learner_ping_s: float = 30.0
-    """When the loop fails, a learner rank that does not answer a ping within this long counts as lost."""
     max_engine_errors: int = 3
     """An engine whose step raises (out of memory, a CUDA error) is killed and replaced and the call re-sent; a call
     that makes more than this many engines fail raises the error (a fault of the request, not of the engines)."""
@@ -203,7 +63,7 @@ class FaultConfig:
         for name in ("max_learner_restarts", "max_resends", "verifier_retries", "max_engine_errors", "max_regrows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be >= 0")
-        for name in ("engine_wait_s", "verifier_call_timeout_s", "learner_ping_s"):
+        for name in ("engine_wait_s", "verifier_call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"runtime.faults.{name} = {getattr(self, name)}; it must be > 0")
         if not 0.0 <= self.max_verify_failed_share <= 1.0:
@@ -213,20 +73,23 @@ class FaultConfig:
 
 @dataclass
 class DeadlineConfig:
-    """How long each kind of blocking call on an actor may take before it counts as hung (runtime/liveness.py)."""
+    """How long each kind of wait on an actor may take before it counts as hung (runtime/liveness.py); past one, the
+    actor is replaced where it can be (runtime/supervisor.py), else the run stops with one line naming it."""
 
     start_s: float = 900.0
     """A new actor (learner rank, verifier, scheduler, healer) must be scheduled and constructed within this; if not,
     the run stops naming it and the resources it asked for."""
     heartbeat_s: float = 120.0
-    """An engine, scheduler or the healer that leaves a ping unanswered this long is stuck: it is killed and replaced
-    like a dead one (its requests re-sent, its prompts grown again)."""
+    """An engine, scheduler, the healer or a learner rank that leaves the supervisor's ping unanswered this long is
+    stuck: it is killed and replaced like a dead one (its requests re-sent, its prompts grown again, the learner
+    rebuilt from its checkpoint)."""
     call_s: float = 300.0
-    """Control calls: member lists, counters, a checkpoint's learner pings, loading weights into one engine."""
+    """Control calls: member lists, counters, the fault journal, loading weights into the engines."""
     generate_s: float = 1800.0
     """One engine call (a tree's segment requests); longer, and the engine is treated as stuck."""
     grow_s: float = 7200.0
-    """One scheduler's shard of a batch: its trees grown, verified and healed."""
+    """One round of a batch (each scheduler's shard of it: trees grown, verified and healed); the learner waits for a
+    batch at most (rounds + 1) x this (runtime/loop.py)."""
     train_step_s: float = 7200.0
     """One learner step, and exporting the weights after it."""
     checkpoint_s: float = 3600.0
@@ -246,7 +109,8 @@ class ElasticConfig:
     """Add engines, up to this many, whenever Ray reports room for one more (a node joined); 0 = num_engines
     (no growth past the configured size; lost engines are still replaced)."""
     poll_s: float = 0.5
-    """How often the pool looks for dead engines, engines ready to join, and new room."""
+    """How often the supervisor looks at every actor (heartbeats) and the pool for engines ready to join and new
+    room; an engine router catches up with the member list at most this often."""
     startup_timeout_s: float = 600.0
     """At start, wait this long for the first num_engines engines (the run needs at least one)."""
 
@@ -491,7 +355,7 @@ class TrainConfig:
 
     @property
     def sampler_config(self):
-        return self.rollout.sampler_config(self.algo.sampler)
+        return self.rollout.sampler_config(self.algo.spec.sampler)
 
 
 @dataclass
@@ -506,14 +370,14 @@ class EvalJobConfig(TrainConfig):
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors (UserError) name the file
-    and key. The algorithm's own loss (LOSS_PRESETS) goes under everything given explicitly, and so does
+    and key. The algorithm's own loss (its `loss`, algo/<name>.py) goes under everything given explicitly, and so does
     learner.off_policy = behaviour when runtime.max_staleness > 0. `cls`: TrainConfig,
     or EvalJobConfig for `treepo-ray eval`."""
     args = config_io.read_file_overrides(cls, path) + list(overrides or [])
     cfg = config_io.load(cls, None, args)
     preset = []
     if cfg.algo.loss_preset:
-        preset = [f"learner.loss.{k}={v}" for k, v in LOSS_PRESETS[cfg.algo.name].items()]
+        preset = [f"learner.loss.{k}={v}" for k, v in cfg.algo.spec.loss.items()]
     if cfg.runtime.max_staleness > 0:  # under the explicit keys, as the loss preset
         # Batches sampled by older weights: the PPO ratio must be to the weights that sampled them. "recompute"
         # takes it to the learner's current weights, so the staleness goes uncorrected (with one pass the ratio is
@@ -526,9 +390,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         warnings.warn(f"learner.off_policy = 'recompute' with runtime.max_staleness = {cfg.runtime.max_staleness}: "
                       f"batches sampled by older weights train as if on-policy (the ratio to the current weights); "
                       f"'behaviour' (the default here) or 'decoupled' correct for the staleness", stacklevel=2)
-    if cfg.learner.loss.aggregation == "node-mean" and cfg.algo.name not in PER_NODE:
+    if cfg.learner.loss.aggregation == "node-mean" and not cfg.algo.spec.per_node:
+        per_node = [name for name, spec in ALGORITHMS.items() if spec.per_node]
         raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
-                        f"{PER_NODE}), not algo.name = {cfg.algo.name!r}")
+                        f"{per_node}), not algo.name = {cfg.algo.name!r}")
     return cfg
 
 
