@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from treepo_ray.engines.base import SamplingParams, SegmentRequest, generate
 from treepo_ray.engines.hf import HFEngine
 from treepo_ray.engines.tiny import TinyModelConfig, build_tiny_model
-from treepo_ray.healing.logprobs import engine_logprobs, teacher_forced_logprobs
+from treepo_ray.engines.hf.logprobs import teacher_forced_logprobs
 
 pytestmark = pytest.mark.slow  # builds and runs a model
 
@@ -34,7 +34,7 @@ def test_grafted_logprobs_match_the_engines_sampled_logprobs(padded_model):
     prefix = [5, 6, 7, 8]
     (res,) = generate(engine, [SegmentRequest("r", prefix, 12, n=2, params=SamplingParams(1.0, seed=4))])
     for child in res.children:
-        got = engine_logprobs(engine, prefix, child.token_ids)
+        got = engine.score(prefix, child.token_ids, 1.0)
         assert got == pytest.approx(child.logprobs, abs=1e-4)
     # Over the full padded softmax they would differ: the cut to the tokenizer's vocabulary matters.
     full = teacher_forced_logprobs(engine.model, prefix, res.children[0].token_ids, vocab_size=None)
@@ -56,5 +56,3 @@ def test_bad_inputs_are_refused(padded_model):
         teacher_forced_logprobs(model, [], [1])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         teacher_forced_logprobs(model, [1], [300], vocab_size=258)
-    with pytest.raises(ValueError, match="engine=hf"):
-        engine_logprobs(object(), [1], [2])

@@ -64,7 +64,7 @@ def test_checkpoint_round_trip_resumes_identically(tiny, tmp_path):
 
     b = Learner(tiny, cfg)
     assert b.load_checkpoint(latest_checkpoint(tmp_path)) == {"step": 1, "dataset_pos": 40}
-    assert b.version == 1
+    assert b.optimizer_steps == 1
     assert torch.equal(torch.rand(3), draw_a)  # torch RNG restored
     metrics_b = b.train_step(samples())
     assert metrics_b["loss"] == metrics_a["loss"] and metrics_b["grad_norm"] == metrics_a["grad_norm"]
@@ -77,8 +77,8 @@ def test_checkpoint_round_trip_resumes_identically(tiny, tmp_path):
     assert {"model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "rng_rank0.json"} <= files
     json.loads((path / "rng_rank0.json").read_text())  # RNG states as JSON: nothing in a checkpoint is pickled
     state = json.loads((path / "learner_state.json").read_text())
-    assert {k: state[k] for k in ("version", "world_size", "optimizer_format")} == \
-        {"version": 1, "world_size": 1, "optimizer_format": "full"}
+    assert {k: state[k] for k in ("optimizer_steps", "world_size", "optimizer_format")} == \
+        {"optimizer_steps": 1, "world_size": 1, "optimizer_format": "full"}
     assert state["learner_config"]["weight_decay"] == 0.01
     AutoModelForCausalLM.from_pretrained(path)
 
@@ -130,7 +130,7 @@ def test_a_checkpoint_through_an_object_store_uri_commits_with_its_marker_last(t
     assert not list((tmp_path / "local").iterdir())  # the local staging folder is gone
     draw = torch.rand(2)
     b = Learner(tiny, cfg)
-    assert b.load_checkpoint(where) == {"step": 1} and b.version == 1
+    assert b.load_checkpoint(where) == {"step": 1} and b.optimizer_steps == 1
     assert not list((tmp_path / "local").iterdir())  # and so is the downloaded copy
     assert torch.equal(torch.rand(2), draw)
     for k, v in params(b).items():

@@ -36,7 +36,7 @@ def _worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
     w_nan = learner.export_weights()
     m3 = learner.train_step(shard)
     w3 = learner.export_weights()
-    assert learner.load_checkpoint(ckpt) == {"step": 2} and learner.version == 2
+    assert learner.load_checkpoint(ckpt) == {"step": 2} and learner.optimizer_steps == 2
     m3_again = learner.train_step(shard)
     w3_again = learner.export_weights()
     if rank == 0:
@@ -58,9 +58,9 @@ def test_deepspeed_zero2_two_ranks(tiny, tmp_path):
     for k, v in single.export_weights().items():
         torch.testing.assert_close(r["w2"][k], v, atol=1e-5, rtol=0)
 
-    assert r["nan"]["skipped"] == 1 and r["nan"]["version"] == 2
+    assert r["nan"]["skipped"] == 1 and r["nan"]["optimizer_steps"] == 2
     assert all(torch.equal(r["w_nan"][k], v) for k, v in r["w2"].items())
-    assert r["m3"]["skipped"] == 0 and r["m3"]["version"] == 3
+    assert r["m3"]["skipped"] == 0 and r["m3"]["optimizer_steps"] == 3
     # Resuming from the checkpoint replays step 3 exactly.
     assert r["m3_again"]["loss"] == r["m3"]["loss"] and r["m3_again"]["grad_norm"] == r["m3"]["grad_norm"]
     assert all(torch.equal(r["w3_again"][k], v) for k, v in r["w3"].items())

@@ -71,7 +71,7 @@ def test_two_fsdp2_ranks_match_one_process(tiny, tmp_path):
         for g, w in zip(got_metrics, want):
             for key in ("loss", "pg_loss", "kl_loss", "entropy", "pg_clipfrac", "grad_norm", "tokens", "samples"):
                 assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (aggregation, key)
-        assert got_metrics[1]["kl_loss"] > 0 and got_metrics[1]["version"] == STEPS
+        assert got_metrics[1]["kl_loss"] > 0 and got_metrics[1]["optimizer_steps"] == STEPS
         reference = single.export_weights()
         assert got_weights.keys() == reference.keys()
         for k, v in reference.items():
@@ -81,7 +81,7 @@ def test_two_fsdp2_ranks_match_one_process(tiny, tmp_path):
             # A checkpoint written by 2 ranks resumes in 1 process: same weights, optimizer state, next step.
             resumed = Learner(tiny, _config(aggregation))
             assert resumed.load_checkpoint(tmp_path / "checkpoint-00000002") == {"step": STEPS}
-            assert resumed.version == STEPS
+            assert resumed.optimizer_steps == STEPS
             state = {k: v for k, v in resumed.optimizer.state_dict()["state"].items()}
             ref_state = single.optimizer.state_dict()["state"]
             for idx, s in ref_state.items():

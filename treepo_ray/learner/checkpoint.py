@@ -2,7 +2,7 @@
 
 A checkpoint folder holds the model as a Hugging Face directory (weights + tokenizer, loadable by path), the
 optimizer state (`optimizer.pt`, or DeepSpeed's per-rank partitions under `deepspeed/`), `learner_state.json`
-(version, world size, optimizer-state format, learner config), one `rng_rank<r>.json` per rank, and last the
+(optimizer steps, world size, optimizer-state format, learner config), one `rng_rank<r>.json` per rank, and last the
 completion marker `trainer_state.json` (the caller's trainer state).
 
 Run directories live in run storage (treepo_ray/storage.py: a local or shared path, or an object store URI), so a
@@ -85,7 +85,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[str]:
 
 
 def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strategy, model: PreTrainedModel,
-                     tokenizer: Any, version: int, config: LearnerConfig) -> str:
+                     tokenizer: Any, optimizer_steps: int, config: LearnerConfig) -> str:
     """Write `model`'s weights + `tokenizer`, the optimizer state, learner and trainer state, and every rank's RNG
     state to `final` (a path or a storage URI), atomically and durably. Raises RuntimeError, leaving any older
     checkpoint intact, when the write fails. Call on all ranks."""
@@ -112,7 +112,7 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
             tokenizer.save_pretrained(staging)
         if optim is not None:
             torch.save(optim, staging / OPTIMIZER_FILE)
-        state = {"version": version, "world_size": strategy.world_size,
+        state = {"optimizer_steps": optimizer_steps, "world_size": strategy.world_size,
                  "optimizer_format": strategy.optimizer_format, "learner_config": dataclasses.asdict(config)}
         (staging / LEARNER_STATE).write_text(json.dumps(state, indent=2))
 
@@ -139,7 +139,7 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
 
 def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: LearnerConfig) -> tuple[int, dict]:
     """Restore weights and optimizer state (through `strategy`) and this rank's RNG from `directory` (a path or a
-    storage URI); return (version, trainer_state). Call on all ranks. A checkpoint with full optimizer state (FSDP2
+    storage URI); return (optimizer steps, trainer_state). Call on all ranks. A checkpoint with full optimizer state (FSDP2
     or one process) resumes at any world size (RNG then restarts from the seed); a DeepSpeed one only under
     DeepSpeed at its own world size."""
     directory = str(directory)
@@ -167,16 +167,16 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
                 weights = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).state_dict()
                 optim = torch.load(local / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             strategy.load_full_state(weights, optim)
-        version = int(learner_state["version"])
+        steps = int(learner_state.get("optimizer_steps", learner_state.get("version", 0)))  # "version" before 12/2026
         rng_file = local / rng_name
         if rng_file.is_file():
             _set_rng_state(json.loads(rng_file.read_text()))
         else:  # another world size wrote it (or a checkpoint from before RNG files were JSON)
-            torch.manual_seed(config.seed + strategy.rank + version)
+            torch.manual_seed(config.seed + strategy.rank + steps)
     finally:
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
-    return version, json.loads(storage.read_text(storage.join(directory, COMPLETE_MARKER)))
+    return steps, json.loads(storage.read_text(storage.join(directory, COMPLETE_MARKER)))
 
 
 def _rng_state() -> dict[str, Any]:

@@ -107,8 +107,9 @@ class Learner:
         self.ref_model = self._load_model(trainable=False) if cfg.needs_ref_model else None
         self.optimizer = self.strategy.wrap(self.model,
                                             torch.optim.AdamW(self.model.parameters(), **self._optimizer_hparams()))
-        self.version = 0
-        """Optimizer steps taken so far (the weights' version, for staleness checks by the generators)."""
+        self.optimizer_steps = 0
+        """Optimizer steps taken so far (ppo_epochs x mini_batches per training step; the policy version, steps
+        trained, is the runtime's: runtime/loop.py)."""
         config = self.model.config
         self.vocab_size: int = min(config.vocab_size, self._tokenizer_vocab or config.vocab_size)
         """Token ids the learner accepts and scores (the tokenizer's; the model's if there is no tokenizer)."""
@@ -217,12 +218,13 @@ class Learner:
         if seqs == 0:
             raise ValueError("train_step got no trees on any rank")
         old = self.node_logprobs(indices) if cfg.recompute_pass else None
-        start_version = self.version
+        start = self.optimizer_steps
         totals: dict[str, float] = {}
         steps = skipped = 0
         for epoch in range(cfg.ppo_epochs):
-            # Deterministic shuffle of the trees: the same (seed, version, epoch, rank) gives the same mini-batches.
-            order = np.random.default_rng([cfg.seed, start_version, epoch, self.rank]).permutation(len(indices))
+            # Deterministic shuffle of the trees: the same (seed, optimizer steps, epoch, rank) gives the same
+            # mini-batches.
+            order = np.random.default_rng([cfg.seed, start, epoch, self.rank]).permutation(len(indices))
             for part in np.array_split(order, cfg.mini_batches):
                 part = [int(i) for i in part]
                 stats = self._optimizer_step([indices[i] for i in part],
@@ -236,7 +238,7 @@ class Learner:
         metrics = {k: v if k == "is_weight_max" else v / max(steps, 1) for k, v in totals.items()}
         metrics.update(lr=self.optimizer.param_groups[0]["lr"], tokens=float(tokens), samples=float(seqs),
                        trees=float(trees), unique_tokens=float(unique), steps=float(steps - skipped),
-                       skipped=float(skipped), version=float(self.version), recomputed=float(old is not None),
+                       skipped=float(skipped), optimizer_steps=float(self.optimizer_steps), recomputed=float(old is not None),
                        time_s=time.perf_counter() - started)
         return metrics
 
@@ -273,9 +275,9 @@ class Learner:
         figures = self._backward(indices, old, self.cfg.off_policy)
         if not figures:
             return None
-        set_lr(self.optimizer, lr_at(self.cfg.lr, self.cfg.lr_warmup_steps, self.version))  # schedule.py
+        set_lr(self.optimizer, lr_at(self.cfg.lr, self.cfg.lr_warmup_steps, self.optimizer_steps))  # schedule.py
         grad_norm, ok = self.strategy.step(figures["loss"])
-        self.version += int(ok)
+        self.optimizer_steps += int(ok)
         return figures | {"grad_norm": grad_norm, "skipped": float(not ok)}
 
     def backward(self, batch: list, old: list | None = None, off_policy: str | None = None) -> dict[str, float]:
@@ -371,13 +373,13 @@ class Learner:
         `directory`, atomically (see checkpoint.py). Raises RuntimeError, leaving any older checkpoint intact,
         when the write fails. Call on all ranks."""
         return write_checkpoint(directory, trainer_state, strategy=self.strategy, model=self.model,
-                                tokenizer=self.tokenizer, version=self.version, config=self.cfg)
+                                tokenizer=self.tokenizer, optimizer_steps=self.optimizer_steps, config=self.cfg)
 
     def load_checkpoint(self, directory: str | Path) -> dict:
-        """Restore weights, optimizer state, version and this rank's RNG from `directory`; return trainer_state.
+        """Restore weights, optimizer state, optimizer steps and this rank's RNG from `directory`; return trainer_state.
         Call on all ranks. A checkpoint with full optimizer state (FSDP2 or one process) resumes at any world size
         (RNG then restarts from the seed); a DeepSpeed one only under DeepSpeed at its own world size."""
-        self.version, trainer_state = read_checkpoint(directory, strategy=self.strategy, config=self.cfg)
+        self.optimizer_steps, trainer_state = read_checkpoint(directory, strategy=self.strategy, config=self.cfg)
         # The config in force rules the hyper-parameters (a resumed run may change, say, the learning rate).
         for group in self.optimizer.param_groups:
             group.update(self._optimizer_hparams())

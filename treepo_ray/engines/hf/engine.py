@@ -28,6 +28,7 @@ import torch
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
 from treepo_ray.engines.hf.cache import Entry, NodeCache
 from treepo_ray.engines.hf.model import Decoder, load_model
+from treepo_ray.engines.hf.logprobs import teacher_forced_logprobs
 from treepo_ray.engines.hf.sampler import kind_of, sample, uniforms
 from treepo_ray.tree import Segment
 
@@ -210,6 +211,14 @@ class HFEngine:
 
     loads_weights_while_running = True
     """`load_weights` may come between two steps while sequences run (vLLM's engine needs them finished)."""
+    loads_weight_stream = False
+
+    @property
+    def weights_dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float) -> list[float]:
+        return teacher_forced_logprobs(self.model, prefix_ids, token_ids, self.vocab_size, temperature)
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Copy `state_dict` (HF parameter names) into the model in place, between two steps.
@@ -352,6 +361,14 @@ class HFEngine:
         return now
 
     def _run(self, t: float) -> None:
+        """One model step over every running row: forward (decode rows, then prefill rows), sample, advance."""
+        logits, fed, t = self._forward_rows(t)
+        tokens, logps, t = self._sample_rows(logits, t)
+        self._advance_rows(fed, tokens, logps, t)
+
+    def _forward_rows(self, t: float) -> tuple[torch.Tensor, list[int], float]:
+        """The next-token logits of every row (decode rows first, each fed one token; then prefill rows) and the
+        tokens fed per row."""
         rows = self._rows
         B = len(rows)
         Bd = next((i for i, r in enumerate(rows) if len(r.feed) > 1), B)
@@ -383,8 +400,11 @@ class HFEngine:
         self._stats["decode_tokens"] += children
         self._stats["prefill_tokens"] += sum(fed) - children
         self._stats["forward_tokens"] += sum(fed)
+        return torch.cat(logits) if len(logits) > 1 else logits[0], fed, t
 
-        # Sample: a leader draws one token per child from its logits.
+    def _sample_rows(self, all_logits: torch.Tensor, t: float) -> tuple[list[int], list[float], float]:
+        """A token per child: a leader row draws one for each of its children from its logits."""
+        rows = self._rows
         counts = [r.req.req.n if r.child < 0 else 1 for r in rows]
         seeds, counters = [], []
         for r in rows:
@@ -394,8 +414,7 @@ class HFEngine:
             else:
                 seeds.append(r.req.seeds[r.child])
                 counters.append(len(r.tokens))
-        all_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        if B != len(seeds):
+        if len(rows) != len(seeds):
             all_logits = all_logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
         kinds = {r.req.kind for r in rows}
         kind = kinds.pop() if len(kinds) == 1 else "plain" if kinds == {"unit", "plain"} else "mixed"
@@ -409,16 +428,18 @@ class HFEngine:
             torch.from_numpy(uniforms(seeds, counters)).to(self.device, torch.float32),
             kind,
         )
-        tokens, logps = tokens.tolist(), logps.tolist()
         self._stats["steps"] += 1
         self._stats["step_sequences"] += len(seeds)
         self._stats["steps_at_cap"] += len(seeds) >= self.max_batch_size
-        t = self._tick("sample", t)
+        return tokens.tolist(), logps.tolist(), self._tick("sample", t)
 
-        # Advance rows; fork leaders into their children (child 0 keeps the leader's row).
+    def _advance_rows(self, fed: list[int], tokens: list[int], logps: list[float], t: float) -> None:
+        """Append each row's token; fork leaders into their children (child 0 keeps the leader's row, the others
+        get copies of its KV); finished rows leave."""
+        rows = self._rows
         src, dst, finished = [], [], []
         k = 0
-        for i in range(B):
+        for i in range(len(fed)):
             r = rows[i]
             r.pos += fed[i]
             if r.child < 0:

@@ -1,7 +1,7 @@
-"""Teacher-forced token log-probs of a causal LM: what a grafted branch's tokens would have scored as a sample.
+"""Teacher-forced token log-probs of a causal LM (HFEngine.score): what given tokens would have scored as a sample.
 
 CATPO grafts continuations that were sampled under the critique prompt, but trains them as continuations of the
-original prefix (see critique.py). Their log-probs are therefore recomputed here, in one forward pass over
+original prefix (healing/critique.py). Their log-probs are therefore recomputed here, in one forward pass over
 prefix + tokens, under the same convention as an engine's sampled log-probs: at the sampling temperature, full
 softmax over the tokenizer's vocabulary (logits of padded embedding rows dropped), no top-k/top-p.
 """
@@ -34,13 +34,3 @@ def teacher_forced_logprobs(model: torch.nn.Module, prefix_ids: list[int], token
         logp = logits.log_softmax(dim=-1)
         target = torch.tensor(token_ids, dtype=torch.long, device=device)
         return logp.gather(-1, target[:, None])[:, 0].tolist()
-
-
-def engine_logprobs(engine, prefix_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> list[float]:
-    """Teacher-forced log-probs under a generation engine's current weights (engines that expose their HF model
-    as `engine.model`, e.g. HFEngine; its `vocab_size` is the tokenizer's)."""
-    model = getattr(engine, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"engine {type(engine).__name__} exposes no torch model to score grafted tokens with; "
-                         "CATPO healing needs model.engine=hf")
-    return teacher_forced_logprobs(model, prefix_ids, token_ids, getattr(engine, "vocab_size", None), temperature)
