@@ -273,6 +273,7 @@ def leg_weights(context: dict) -> dict:
     from transformers import AutoTokenizer
 
     from treepo_ray.engines.base import SamplingParams, SegmentRequest
+    from treepo_ray.job.config import RuntimeConfig
     from treepo_ray.learner import LearnerConfig, TrainSample
     from treepo_ray.runtime.learner import LearnerGroup
     from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
@@ -287,27 +288,30 @@ def leg_weights(context: dict) -> dict:
     whole = gpus >= 2  # learner and engine each on a GPU of their own; else they share one
     share = 1.0 if whole else (0.5 if device == "cuda" else 0.0)
     kwargs = _vllm_kwargs(context, 0.8 if whole else 0.3) if engine_name == "vllm" else {}
-    pool = GeneratorPool(EngineSpec(engine_name, path, kwargs, num_cpus=1, num_gpus=share), num_engines=1)
-    dtype = ray.get(pool.engines()[0].weights_dtype.remote())
+    rt = RuntimeConfig(engine_cpus=1, engine_gpus=share, learner_cpus=1, learner_gpus=share)
+    pool = GeneratorPool(EngineSpec(engine_name, path, kwargs, 1, 1, share, {}), rt)
+    dtype = ray.get(next(iter(pool.members().values())).describe.remote())["weights_dtype"]
+    backend = "nccl" if device == "cuda" else "gloo"
     group = LearnerGroup(path, LearnerConfig(lr=5e-3, micro_batch_size=4, dtype="bfloat16" if device == "cuda"
-                                             else "float32"), num_cpus=1, num_gpus=share)
+                                             else "float32"), rt, WeightSync("object_store", dtype, backend,
+                                                                             64 << 20, 120.0))
     samples = [TrainSample(p, p[:8], advantages=1.0 if i % 2 else -1.0) for i, p in enumerate(PROMPTS)]
     paths = ["object_store"] + (["broadcast"] if whole or device == "cpu" else [])
-    backend = "nccl" if device == "cuda" else "gloo"
     figures, model = {"engine": engine_name, "dtype": dtype}, _hf(path, device)
     vocab = len(AutoTokenizer.from_pretrained(path))
     version = 0
     for how in paths:
-        ray.get(group.train_step(ray.put(samples)))
+        group.train_step(ray.put(samples))
         version += 1
         group.weights = WeightSync(how, dtype, backend, 64 << 20, 120.0)
-        group.publish(version)
+        published = group.publish(version)
         start = time.perf_counter()
-        pool.load_weights(group.published[1], version)
+        pool.load_weights(published, version)
         seconds = time.perf_counter() - start
         before = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict({k: v.to(device) for k, v in ray.get(group.export_weights()).items()}, strict=False)
-        (res,) = pool.generate_now([SegmentRequest(f"w{version}", PROMPTS[0], 32, 1, SamplingParams(1.0, seed=1))])
+        (res,) = pool.router().call_sync(f"w{version}", "generate",
+                                         [SegmentRequest(f"w{version}", PROMPTS[0], 32, 1, SamplingParams(1.0, seed=1))])
         child = res.children[0]
         gap_new = _logprob_gap(model, PROMPTS[0], child.token_ids, child.logprobs, vocab)
         model.load_state_dict(before)
@@ -316,7 +320,7 @@ def leg_weights(context: dict) -> dict:
             raise AssertionError(f"{how}: the engine does not run weights v{version} (version "
                                  f"{res.weights_version}, log-prob gap {gap_new:.4f} to the new weights, "
                                  f"{gap_old:.4f} to the old)")
-        figures[how] = {"bytes": group.published[1].metrics()["weights/bytes"], "seconds": seconds,
+        figures[how] = {"bytes": published.metrics()["weights/bytes"], "seconds": seconds,
                         "logprob_gap_new": gap_new, "logprob_gap_old": gap_old}
         model.load_state_dict({k: v.to(device) for k, v in ray.get(group.export_weights()).items()}, strict=False)
     if "broadcast" not in figures:
@@ -337,19 +341,22 @@ def _has_vllm() -> bool:
 def leg_learner_step(context: dict) -> dict:
     import ray
 
+    from treepo_ray.job.config import RuntimeConfig
     from treepo_ray.learner import LearnerConfig, TrainSample
     from treepo_ray.runtime.learner import LearnerGroup
+    from treepo_ray.runtime.weights import WeightSync
 
     device, gpus = context["device"], context["gpus"]
     ranks = 2 if gpus >= 2 or device == "cpu" else 1
     _start_ray(context)
     cfg = LearnerConfig(lr=1e-5, micro_batch_size=4, dtype="bfloat16" if device == "cuda" else "float32",
                         gradient_checkpointing=True)
-    group = LearnerGroup(context["models"]["engine"], cfg, world_size=ranks, num_cpus=1,
-                         num_gpus=1 if device == "cuda" else 0)
+    group = LearnerGroup(context["models"]["engine"], cfg,
+                         RuntimeConfig(learner_ranks=ranks, learner_cpus=1, learner_gpus=1 if device == "cuda" else 0),
+                         WeightSync("object_store", "float32", "gloo", 1 << 20, 120.0))
     samples = [TrainSample(p, p * 8, advantages=1.0 if i % 2 else -1.0) for i, p in enumerate(PROMPTS * 2)]
     start = time.perf_counter()
-    metrics = ray.get(group.train_step(ray.put(samples)))
+    metrics = group.train_step(ray.put(samples))
     seconds = time.perf_counter() - start
     group.close()
     if metrics["skipped"] or not metrics["steps"]:
@@ -428,14 +435,16 @@ def leg_vllm_tp2(context: dict) -> dict:
     from transformers import AutoTokenizer
 
     from treepo_ray.engines.base import SamplingParams, SegmentRequest
+    from treepo_ray.job.config import RuntimeConfig
     from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
 
     _require_vllm(context["device"])
     path = context["models"]["engine"]
     _start_ray(context)
     kwargs = {**_vllm_kwargs(context, 0.6), "tensor_parallel_size": 2}
-    pool = GeneratorPool(EngineSpec("vllm", path, kwargs, num_cpus=1, num_gpus=2), num_engines=1)
-    (res,) = pool.generate_now([SegmentRequest("tp", PROMPTS[0], 32, 4, SamplingParams(1.0, seed=3))])
+    pool = GeneratorPool(EngineSpec("vllm", path, kwargs, 1, 1, 2, {}), RuntimeConfig(engine_gpus=2))
+    (res,) = pool.router().call_sync("tp", "generate", [SegmentRequest("tp", PROMPTS[0], 32, 4,
+                                                                       SamplingParams(1.0, seed=3))])
     pool.close()
     model = _hf(path, context["device"])
     vocab = len(AutoTokenizer.from_pretrained(path))

@@ -6,6 +6,7 @@ import importlib
 import sys
 
 from treepo_ray.config import UserError
+from treepo_ray.job.faults import RunStopped
 
 COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # a bad key, path or row: one line, never a traceback
         print(f"treepo-ray {name}: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # an actor lost past its recovery, a deadline passed: one line naming it
+        print(f"treepo-ray {name}: stopped: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

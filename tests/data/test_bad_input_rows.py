@@ -9,7 +9,7 @@ import pytest
 from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.tiny import build_tokenizer
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
-from treepo_ray.runtime.train import set_up
+from treepo_ray.runtime.cluster import set_up
 
 ROWS = [
     {"problem": "1 + 1", "answer": "2"},

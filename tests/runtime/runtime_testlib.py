@@ -1,11 +1,13 @@
 """What the runtime tests share: small runs of the default job, set up exactly as `treepo-ray train` sets them up
-(job.config.load_config, then runtime.train.set_up)."""
+(job.config.load_config, runtime.cluster.set_up, runtime.train.start_runtime)."""
 
 import struct
 from pathlib import Path
 
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
-from treepo_ray.runtime.train import Job, set_up
+from treepo_ray.job.inputs import Job
+from treepo_ray.runtime.cluster import set_up
+from treepo_ray.runtime.train import Runtime, start_runtime
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "treepo-ray"  # synthetic task files, written once
 
@@ -35,6 +37,26 @@ def two_engines(tiny: str, *extra: str) -> list[str]:
 def job(overrides: list[str], config: Path = DEFAULT_CONFIG) -> Job:
     """The config, tokenizer and prompts of a run (Ray is already up: set_up joins it)."""
     return set_up(load_config(config, overrides))
+
+
+def started(run: Job) -> Runtime:
+    """The run's actors and loop, as the job starts them (shut them down with `.supervisor.shutdown()`)."""
+    return start_runtime(run.cfg, run)
+
+
+def trained(rt: Runtime, start: int, end: int, stream, **kwargs) -> list:
+    """Every (batch, metrics) of steps [start, end) on `rt`'s loop."""
+    return list(rt.loop.steps(start, end, stream, **kwargs))
+
+
+def faults(rt: Runtime, rows: list = ()) -> dict:
+    """fault/* totals of the steps `rows` ((batch, metrics) pairs) and of what was journaled since."""
+    out: dict = {}
+    for metrics in [m for _, m in rows] + [rt.supervisor.fault_metrics()]:
+        for key, value in metrics.items():
+            if key.startswith("fault/"):
+                out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def wandb_logged_keys(run_dir: Path) -> set[str]:

@@ -10,44 +10,45 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from treepo_ray.engines.weights import unpack
-from treepo_ray.job.config import DeadlineConfig
+from treepo_ray.job.config import DeadlineConfig, RuntimeConfig
 from treepo_ray.learner import LearnerConfig, TrainSample
 from treepo_ray.runtime.learner import LearnerGroup
 from treepo_ray.runtime.liveness import DeadlineExceeded
+from treepo_ray.runtime.weights import WeightSync
+
+OBJECT_STORE = WeightSync("object_store", "float32", "gloo", 1 << 20, 60.0)
 
 pytestmark = pytest.mark.slow
 
 
 def test_learner_group_two_ranks_train_export_and_publish(ray_local, tiny):
     cfg = LearnerConfig(lr=1e-3, micro_batch_size=2)
-    group = LearnerGroup(tiny, cfg, world_size=2, num_cpus=0)
+    group = LearnerGroup(tiny, cfg, RuntimeConfig(learner_ranks=2, learner_cpus=0), OBJECT_STORE)
     samples = [TrainSample([5, 6, 7], [8 + i, 9, 10], advantages=1.0 if i % 2 else -1.0) for i in range(4)]
     try:
-        assert group.published == (0, None)  # nothing published before the first step
-        metrics = ray.get(group.train_step(ray.put(samples)))
-        assert metrics["samples"] == 4 and metrics["version"] == 1 and metrics["skipped"] == 0
+        metrics = group.train_step(ray.put(samples))
+        assert metrics["samples"] == 4 and metrics["optimizer_steps"] == 1 and metrics["skipped"] == 0
         exported = ray.get(group.export_weights())
         before = AutoModelForCausalLM.from_pretrained(tiny).state_dict()
         assert set(exported) >= {k for k in before if k != "lm_head.weight"}
         assert any(not torch.equal(exported[k], before[k]) for k in exported)
-        # What the pool loads: the weights after the step, under the version they were published as (one packed
-        # object-store copy, float32 by default).
-        group.publish(1)
-        version, weights = group.published
+        # What the pool loads: the weights after the step (one packed object-store copy, float32 here), exported
+        # before publish returns.
+        weights = group.publish(1)
+        assert weights.nbytes > 0
         packed = ray.get(weights.packed)
         published = unpack(packed.specs, packed.buffer)
-        assert version == 1 and set(published) == set(exported)
+        assert set(published) == set(exported)
         assert all(torch.equal(published[k], exported[k]) for k in published)
     finally:
-        for r in group.ranks:
-            ray.kill(r)
+        group.close()
 
 
 def test_a_learner_that_cannot_be_scheduled_is_named_with_what_it_asked_for(ray_local, tiny):
     with pytest.raises(DeadlineExceeded, match=r"not started within 2s \(runtime.deadlines.start_s\): learner rank 0 "
-                                               r"\(asks \{'CPU': 1, 'learner_gpu': 1\}\); the cluster has free"):
-        LearnerGroup(tiny, LearnerConfig(), world_size=1, num_cpus=1, resources={"learner_gpu": 1},
-                     deadlines=DeadlineConfig(start_s=2))
+                                               r"\(asks \{'CPU': 1.0, 'learner_gpu': 1.0\}\); the cluster has free"):
+        LearnerGroup(tiny, LearnerConfig(), RuntimeConfig(learner_resources={"learner_gpu": 1},
+                                                          deadlines=DeadlineConfig(start_s=2)), OBJECT_STORE)
     # Nothing is left pending (an autoscaler would chase its demand): the whole cluster is free again.
     deadline = time.monotonic() + 10
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
-"""The asynchronous loop (runtime/pipeline.py) on a real local Ray with a real (random) tiny model: rollout and
-learning overlap within the staleness bound, and DAPO refills a batch until it holds mixed groups only; a scheduler
-killed or stopped mid-batch is replaced and its prompts grown again into the same trees; the batches waiting in the
-queue at a checkpoint are trained after a restart as they were grown."""
+"""The asynchronous loop (runtime/loop.py) and the batch builder (runtime/batches.py) on a real local Ray with a real
+(random) tiny model: rollout and learning overlap within the staleness bound, and DAPO refills a batch until it holds
+mixed groups only; a scheduler killed or stopped mid-batch is replaced by the supervisor and its prompts grown again
+into the same trees; the batches waiting in the queue at a checkpoint are trained after a restart as they were
+grown."""
 
 import json
 import os
@@ -13,20 +14,18 @@ import pytest
 import ray
 
 from treepo_ray.data.prompts import PromptStream
-from treepo_ray.runtime.pipeline import Pipeline
-from treepo_ray.runtime.recovery import kill_actor
-from runtime_testlib import job, small
+from treepo_ray.runtime.chaos import kill_actor
+from runtime_testlib import faults, job, small, started, trained
 
 pytestmark = pytest.mark.slow
 
 
-def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local, tiny):
+def test_loop_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local, tiny):
     run = job(small(tiny, "runtime.max_staleness=1"))
-    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
-    rows = []
+    rt = started(run)
     try:
-        done = pipe.train(0, 4, PromptStream(run.train_set, 0), lambda batch, m: rows.append((batch, m)) or True)
-        assert done == 4
+        rows = trained(rt, 0, 4, PromptStream(run.train_set, 0), trees_logged=1)
+        assert rt.loop.version == 4
         # Batch 0 is grown with the initial weights, batch 1 while the learner trains on batch 0 (so one version
         # behind), and no batch is ever more than max_staleness = 1 versions behind the learner.
         versions = [b.version for b, _ in rows]
@@ -34,6 +33,7 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         assert [m["perf/staleness"] for _, m in rows][:2] == [0, 1]
         assert all(0 <= m["perf/staleness"] <= 1 for _, m in rows)
         assert all(m["actor/samples"] == 16 and m["actor/skipped"] == 0 for _, m in rows)
+        assert [m["perf/policy_version"] for _, m in rows] == [1, 2, 3, 4]
         # Engine figures are counted between batch completions (batches overlap, so the engines' work cannot be
         # told apart by batch): a batch done just after the last one may see none, but the run's total is all of it.
         assert all(m["tree/forward_tokens"] >= 0 for _, m in rows)
@@ -42,41 +42,40 @@ def test_pipeline_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local
         # Batch 1 started growing as soon as batch 0 had taken its prompts, not when batch 0 was done.
         assert rows[1][0].grown[0] < rows[0][0].grown[1]
         # The weights that grew the last batch, which the pool owns and every engine runs.
-        assert pipe.pool.weights_version == versions[-1]
-        assert {s["weights_version"] for s in pipe.pool.stats()} == {versions[-1]}
-        assert pipe.learner.published[0] == 4  # published after the last step, for the next sync
+        pool = rt.supervisor.pool
+        assert pool.weights_version == versions[-1]
+        assert {s["weights_version"] for s in pool.stats()} == {versions[-1]}
         # max_staleness = 0: grow, train, grow: no batch starts before the one before it was trained, and the
         # engines only ever take weights between batches.
-        swapped = sum(s["loads_while_running"] for s in pipe.pool.stats())
-        sync = []
-        assert pipe.train(4, 7, PromptStream(run.train_set, 0, position=16), lambda b, m: sync.append(b) or True,
-                          max_staleness=0) == 7
+        swapped = sum(s["loads_while_running"] for s in pool.stats())
+        sync = [b for b, _ in trained(rt, 4, 7, PromptStream(run.train_set, 0, position=16), max_staleness=0)]
+        assert rt.loop.version == 7
         assert all(later.grown[0] >= earlier.grown[1] for earlier, later in zip(sync, sync[1:]))
-        assert sum(s["loads_while_running"] for s in pipe.pool.stats()) == swapped
+        assert sum(s["loads_while_running"] for s in pool.stats()) == swapped
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
 
     # DAPO: sequential sampling, synchronous, over-sample 2x and refill until the batch holds mixed groups only.
     run = job(small(tiny, "algo.name=dapo", "algo.dynamic_sampling=true", "algo.oversample=2",
                     "algo.max_extra_rounds=1", "runtime.max_staleness=0"))
-    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
+    rt = started(run)
     try:
         stream = PromptStream(run.train_set, 0)
-        batch = pipe.make_batch(0, stream, num_trees_logged=2)
+        batch = rt.loop.builder.make(0, stream, 0.0, 2, threading.Event())
         m = batch.metrics
         assert m["rollout/kept_prompts"] <= 4 and batch.num_samples == 4 * m["rollout/kept_prompts"]
         rounds = int(m["rollout/rounds"])
         assert stream.position == batch.data_position and 8 <= stream.position <= 8 + 8 * (rounds - 1)
         assert all(len(set(t["reward"][n] for n in t["trajectories"])) == 2 for t in batch.trees)
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
 
 
-def when_engines_are_busy(pipe, then) -> threading.Thread:
+def when_engines_are_busy(rt, then) -> threading.Thread:
     """A thread that calls `then()` as soon as an engine has sequences running (a batch is half grown)."""
     def watch():
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(s["running"] for s in pipe.pool.stats()):
+        while time.monotonic() < deadline and not any(s["running"] for s in rt.supervisor.pool.stats()):
             time.sleep(0.002)
         then()
 
@@ -88,26 +87,30 @@ def when_engines_are_busy(pipe, then) -> threading.Thread:
 def test_a_scheduler_killed_or_stuck_mid_batch_is_replaced_and_its_prompts_grown_again(ray_local, tiny):
     run = job(small(tiny, "runtime.num_schedulers=2", "rollout.treepo.max_depth=4", "rollout.treepo.segment_len=16",
                     "runtime.deadlines.heartbeat_s=2"))
-    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
+    rt = started(run)
+    sup = rt.supervisor
     prompts = PromptStream(run.train_set, 0).take(8)
     try:
-        clean = pipe.grow(prompts)
-        first = pipe.schedulers[0]
-        killer = when_engines_are_busy(pipe, lambda: kill_actor(first, "signal"))
-        killed = pipe.grow(prompts)
+        clean = sup.grow(prompts, 0.0)
+        first = sup.schedulers[0]
+        killer = when_engines_are_busy(rt, lambda: kill_actor(first, "signal"))
+        killed = sup.grow(prompts, 0.0)
         killer.join()
-        second = pipe.schedulers[1]
+        second = sup.schedulers[1]
         pid = ray.get(second.__ray_call__.remote(lambda _: os.getpid()))
-        stopper = when_engines_are_busy(pipe, lambda: os.kill(pid, signal.SIGSTOP))  # alive, not answering
-        stuck = pipe.grow(prompts)
+        stopper = when_engines_are_busy(rt, lambda: os.kill(pid, signal.SIGSTOP))  # alive, not answering
+        start = time.monotonic()
+        stuck = sup.grow(prompts, 0.0)
+        took = time.monotonic() - start
         stopper.join()
-        faults = pipe.fault_metrics()
-        replaced = pipe.schedulers[0] is not first and pipe.schedulers[1] is not second
+        totals = faults(rt)
+        replaced = sup.schedulers[0] is not first and sup.schedulers[1] is not second
     finally:
-        pipe.shutdown()
+        sup.shutdown()
     assert replaced
-    assert faults["fault/schedulers_lost"] == 2 and faults["fault/schedulers_stuck"] == 1
-    assert faults["fault/regrown_prompts"] == 8  # each time the scheduler's shard of 4 prompts
+    assert totals["fault/schedulers_lost"] == 2 and totals["fault/schedulers_stuck"] == 1, totals
+    assert totals["fault/regrown_prompts"] == 8  # each time the scheduler's shard of 4 prompts
+    assert took < 2 + 30  # the heartbeat's deadline, then a regrown shard
     # The same seeds: the regrown shards are the trees the lost schedulers were growing, token for token.
     for trees in (killed, stuck):
         assert [t.query_id for t in trees] == [p.id for p in prompts]
@@ -117,31 +120,31 @@ def test_a_scheduler_killed_or_stuck_mid_batch_is_replaced_and_its_prompts_grown
 
 def test_batches_waiting_at_a_checkpoint_are_trained_after_a_restart_as_they_were_grown(ray_local, tiny):
     run = job(small(tiny, "runtime.max_staleness=1", "learner.micro_batch_size=1"))  # slow steps: growth runs ahead
-    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
-    saved, rows = {}, []
-
-    def until_checkpoint(batch, metrics):
-        if batch.step < 1:
-            return True
-        # The checkpoint after step 2: batch 2, grown with weights v1 while step 2 trained, waits in the queue, and
-        # batch 3 too when it was grown in the meantime (batches overlap; the slots allow max_staleness + 1).
-        deadline = time.monotonic() + 60
-        while not pipe.queued_batches() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        saved["batches"] = pipe.queued_batches()
-        saved["records"] = json.loads(json.dumps([b.to_record() for b in saved["batches"]]))  # as the file has them
-        return False  # the driver stops here
-
+    rt = started(run)
+    saved = {}
     try:
-        assert pipe.train(0, 6, PromptStream(run.train_set, 0), until_checkpoint, 4) == 2
+        steps = rt.loop.steps(0, 6, PromptStream(run.train_set, 0), trees_logged=4)
+        for batch, _ in steps:
+            if batch.step < 1:
+                continue
+            # The checkpoint after step 2: batch 2, grown with weights v1 while step 2 trained, waits in the queue,
+            # and batch 3 too when it was grown in the meantime (batches overlap; the slots allow max_staleness + 1).
+            deadline = time.monotonic() + 60
+            while not rt.loop.waiting() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            saved["batches"] = rt.loop.waiting()
+            saved["records"] = json.loads(json.dumps([b.to_record() for b in saved["batches"]]))  # as the file has
+            break  # the driver stops here
+        steps.close()
+        assert rt.loop.version == 2
         waiting = saved["batches"][0]
         assert [r["step"] for r in saved["records"]] in ([2], [2, 3]) and waiting.version in (1, 2)
-        queued = [pipe.batch_from_record(r) for r in saved["records"]]
-        assert ray.get(queued[0].samples) == ray.get(waiting.samples)  # credit recomputed from the saved trees
+        queued = [rt.loop.builder.from_record(r) for r in saved["records"]]
+        assert queued[0].fetch() == waiting.fetch()  # credit recomputed from the saved trees
         stream = PromptStream(run.train_set, 0, position=queued[-1].data_position)
-        assert pipe.train(2, 4, stream, lambda b, m: rows.append((b, m)) or True, 4, queued=queued) == 4
+        rows = trained(rt, 2, 4, stream, queued=queued, trees_logged=4)
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
     (b2, m2), (b3, m3) = rows
     # Step 2 trained the saved batch as it was grown (in general with weights v1, one version stale), not grown
     # again with the weights of the checkpoint (v2).

@@ -15,11 +15,16 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from treepo_ray.job.config import RuntimeConfig
 from treepo_ray.learner import LearnerConfig
 from treepo_ray.runtime.engine import engine_placement
 from treepo_ray.runtime.learner import LearnerGroup
+from treepo_ray.runtime.liveness import actor_id
 from treepo_ray.runtime.pool import EngineSpec
-from treepo_ray.runtime.registry import actor_id
+from treepo_ray.runtime.weights import WeightSync
+
+RANKS = RuntimeConfig(learner_ranks=2, learner_cpus=1, learner_gpus=1, learner_resources={"learner_gpu": 1})
+OBJECT_STORE = WeightSync("object_store", "float32", "gloo", 1 << 20, 60.0)
 
 pytestmark = pytest.mark.slow
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below run in Ray workers
@@ -47,8 +52,7 @@ def _available(key: str) -> float:
 
 def test_learner_ranks_pack_on_one_node_with_a_gpu_each(two_nodes, tiny):
     # Unplaced, rank 0 would take the head's learner GPU and rank 1 the other node's: one group split in two.
-    group = LearnerGroup(tiny, LearnerConfig(), world_size=2, num_cpus=1, num_gpus=1,
-                         resources={"learner_gpu": 1})
+    group = LearnerGroup(tiny, LearnerConfig(), RANKS, OBJECT_STORE)
     try:
         places = ray.get([r.__ray_call__.remote(_where) for r in group.ranks])
         assert {node for node, _ in places} == {two_nodes}
@@ -61,7 +65,7 @@ def test_learner_ranks_pack_on_one_node_with_a_gpu_each(two_nodes, tiny):
         time.sleep(0.2)
     assert _available("learner_gpu") == 3.0  # close() gave the whole group's room back
     # A group dropped without close() (a run that ends without shutdown) gives it back too.
-    group = LearnerGroup(tiny, LearnerConfig(), world_size=2, num_cpus=1, num_gpus=1, resources={"learner_gpu": 1})
+    group = LearnerGroup(tiny, LearnerConfig(), RANKS, OBJECT_STORE)
     assert _available("learner_gpu") == 1.0
     del group
     gc.collect()
@@ -72,11 +76,10 @@ def test_learner_ranks_pack_on_one_node_with_a_gpu_each(two_nodes, tiny):
 
 
 def test_tensor_parallel_engine_runs_in_one_nodes_gpu_bundles_until_released(two_nodes, tiny):
-    spec = EngineSpec("vllm", tiny, {"tensor_parallel_size": 2}, num_cpus=1, num_gpus=2,
-                      resources={"generator_gpu": 2})
+    spec = EngineSpec("vllm", tiny, {"tensor_parallel_size": 2}, 1, 1, 2, {"generator_gpu": 2})
     assert spec.demand() == {"CPU": 1.0, "GPU": 2.0, "generator_gpu": 2.0}
     with pytest.raises(ValueError, match="tensor_parallel_size = 2: each engine needs 2 GPUs"):
-        EngineSpec("vllm", tiny, {"tensor_parallel_size": 2}, num_gpus=1)
+        EngineSpec("vllm", tiny, {"tensor_parallel_size": 2}, 1, 1, 1, {})
 
     # The engine actor as spec.start() places it, doing what vLLM does inside it: EngineArgs takes the placement
     # group the actor runs in, and RayExecutorV2 starts one worker per bundle (num_gpus=1, num_cpus=0, bundle i).

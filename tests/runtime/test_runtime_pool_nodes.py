@@ -1,7 +1,8 @@
 """The generator pool (runtime/pool.py) following the cluster's size, on a real two-node local Ray
 (ray.cluster_utils.Cluster): engines ask for a custom `generator` resource as on the cluster files' generator nodes;
-a node that joins gets an engine, a node that goes (killed, as on a spot preemption) takes its engine with it, with
-no restart while there is no room; training never stops, and pool/size is logged every step."""
+a node that joins gets an engine, a node that goes (killed, as on a spot preemption) takes its engine with it (the
+supervisor drops it), with no restart while there is no room; training never stops, and pool/size is logged every
+step."""
 
 import time
 
@@ -10,8 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from treepo_ray.data.prompts import PromptStream
-from treepo_ray.runtime.pipeline import Pipeline
-from runtime_testlib import CACHE, job
+from runtime_testlib import CACHE, faults, job, started
 
 pytestmark = pytest.mark.slow
 
@@ -43,32 +43,29 @@ def test_pool_grows_on_a_new_node_and_shrinks_when_the_node_goes(cluster, tiny):
         "rollout.treepo.segment_len=8", "trainer.prompts_per_step=4", "learner.lr=1e-3", "log.wandb=false",
         "runtime.num_engines=1", "runtime.engine_cpus=0", "runtime.engine_resources={generator: 1}",
         "runtime.elastic.max_engines=2", "runtime.elastic.poll_s=0.2", "algo.dynamic_sampling=false"])
-    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
-    rows, seen = [], {}
-
-    def on_step(batch, metrics):
-        rows.append((batch, metrics))
-        if batch.step == 0:  # the autoscaler adds a generator node
-            seen["node"] = cluster.add_node(num_cpus=0, resources={"generator": 1})
-            seen["grew"] = wait_for(lambda: pipe.pool.size == 2)
-        if batch.step == 3:  # the node is preempted: its raylet and every actor on it die at once
-            cluster.remove_node(seen["node"], allow_graceful=False)
-            seen["shrank"] = wait_for(lambda: pipe.pool.size == 1)
-        return True
-
+    rt = started(run)
+    pool, rows, seen = rt.supervisor.pool, [], {}
     try:
-        assert pipe.train(0, 6, PromptStream(run.train_set, 0), on_step, 4) == 6
-        time.sleep(1.0)  # a few rounds of the pool's watch with the node gone
-        pending, size = len(pipe.pool._pending), pipe.pool.size
+        for batch, metrics in rt.loop.steps(0, 6, PromptStream(run.train_set, 0), trees_logged=4):
+            rows.append((batch, metrics))
+            if batch.step == 0:  # the autoscaler adds a generator node
+                seen["node"] = cluster.add_node(num_cpus=0, resources={"generator": 1})
+                seen["grew"] = wait_for(lambda: pool.size == 2)
+            if batch.step == 3:  # the node is preempted: its raylet and every actor on it die at once
+                cluster.remove_node(seen["node"], allow_graceful=False)
+                seen["shrank"] = wait_for(lambda: pool.size == 1)
+        assert rt.loop.version == 6
+        time.sleep(1.0)  # a few rounds of the watch with the node gone
+        pending, size, totals = len(pool._pending), pool.size, faults(rt, rows)
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
     assert seen["grew"] and seen["shrank"]
     # Floor 1, ceiling 2: the lost engine is not replaced while no node offers `generator`.
     assert size == 1 and pending == 0
-    assert pipe.pool.joined == 2 and pipe.pool.lost == 1
+    assert totals["fault/engines_joined"] == 1 and totals["fault/engines_lost"] == 1, totals
     sizes = [m["pool/size"] for _, m in rows]  # logged with each step's batch
     assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1 and 1 in sizes[sizes.index(2):]
     # Training went on throughout: every step trained once on full trees.
     assert [b.step for b, _ in rows] == list(range(6))
-    assert all(m["actor/samples"] == 16 and m["actor/version"] == b.step + 1 for b, m in rows)
+    assert all(m["actor/samples"] == 16 and m["perf/policy_version"] == b.step + 1 for b, m in rows)
     assert all(len(t["trajectories"]) == 4 for b, _ in rows for t in b.trees)

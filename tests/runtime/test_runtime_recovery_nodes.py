@@ -1,5 +1,5 @@
-"""A learner lost with its node is rebuilt on another node from the checkpoint in run storage (runtime/recovery.py,
-job/rundir.py), on a real multi-node local Ray (ray.cluster_utils.Cluster) whose nodes run in different working
+"""A learner lost with its node is rebuilt on another node from the checkpoint in run storage (job/trainer.py,
+runtime/supervisor.py, job/rundir.py), on a real multi-node local Ray (ray.cluster_utils.Cluster) whose nodes run in different working
 directories. The run's storage_path is relative: a node that resolved it in its own working directory would write
 checkpoints where the driver never looks, and the rebuilt learner would start again from the base weights."""
 
@@ -64,9 +64,9 @@ def test_a_learner_lost_with_its_node_is_restored_on_another_from_the_shared_che
     assert run_dir.parent == dirs["driver"] / "runs"  # resolved once, on the driver
     # The rebuilt learner, on node c, loaded the newest checkpoint the lost one wrote from node b (step 2 or 3: its
     # worker may outlive the node's raylet for a moment) and went on from that version; from the base weights every
-    # later step would be trained into a version behind its step.
+    # later step would be trained with an optimizer-step count behind its step.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    trained = [(r["step"], r["actor/version"]) for r in rows if "actor/version" in r]
+    trained = [(r["step"], r["actor/optimizer_steps"]) for r in rows if "actor/optimizer_steps" in r]
     assert all(step == version for step, version in trained) and {s for s, _ in trained} == {1, 2, 3, 4, 5}
     assert len(trained) == 5 + summary["faults"].get("fault/steps_redone", 0)
     assert [s for s, _ in list_checkpoints(run_dir)] == [4, 5]

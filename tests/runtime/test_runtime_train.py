@@ -17,7 +17,8 @@ import pytest
 from treepo_ray.job.config import load_config
 from treepo_ray.job.viz import main as viz_main
 from treepo_ray.learner import list_checkpoints
-from treepo_ray.runtime.train import format_summary, gauge_name
+from treepo_ray.job.trainer import format_summary
+from treepo_ray.runtime.cluster import gauge_name
 from treepo_ray.runtime.train import main as train_main
 from runtime_testlib import small, wandb_logged_keys
 
@@ -99,7 +100,7 @@ def test_ray_metrics_carry_run_and_algorithm_tags(ray_local):
 
     import ray
 
-    from treepo_ray.runtime.train import ray_gauges
+    from treepo_ray.runtime.cluster import ray_gauges
 
     sink = ray_gauges("treepo-20260101-000000", "treepo")
     port = ray.nodes()[0]["MetricsExportPort"]
@@ -173,7 +174,7 @@ def test_a_driver_killed_by_sigkill_resumes_the_same_step_data_position_and_wand
     trees = [json.loads(line) for line in (run / "trees.jsonl").read_text().splitlines()]
     resumed = [t for t in trees if t["step"] == step + 1][-len(pending[0]["trees"]):]
     assert [t["tokens"] for t in resumed] == [t["tokens"] for t in pending[0]["trees"]]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"actor/version"' in line]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"actor/optimizer_steps"' in line]
     assert rows[-(10 - step)]["step"] == step + 1 and rows[-(10 - step)]["perf/staleness"] == step - pending[0]["version"]
     after = [int(t["query_id"].split("#")[1]) for t in trees if t["step"] == step + 1 + len(pending)][-1:]
     assert after == [pending[-1]["data_position"]]

@@ -1,6 +1,7 @@
 """Verification on Ray (runtime/verifier.py): a verifier's answer becomes finite rewards or None (failed), the front
-retries a lost or hung verifier, then fails the call's solutions (real local Ray, real verifiers); its time limit
-counts from the start of scoring; failed trajectories are left out of the tree and counted per step."""
+retries a lost, hung or stopped (alive, answering nothing) verifier, then fails the call's solutions (real local Ray,
+real verifiers); its time limit counts from the start of scoring; failed trajectories are left out of the tree and
+counted per step."""
 
 import math
 import os
@@ -53,8 +54,9 @@ def test_failed_verifications_are_left_out_and_a_step_with_too_many_stops_the_ru
 @pytest.mark.slow
 def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
     registry = RuntimeRegistry.remote()
-    faults = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=1"]).runtime.faults
-    pool = VerifierPool.start(2, 0, 5.0, registry, faults)
+    rt = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=1", "runtime.num_verifiers=2",
+                                      "runtime.verifier_timeout_s=5"]).runtime
+    pool = VerifierPool.start(rt, registry, None)
     items = [(DATA_SOURCE, "12 + 30 = 42\n\\boxed{42}", "42"), (DATA_SOURCE, "\\boxed{41}", "42")]
     try:
         assert ray.get(pool.score(items)) == [1.0, 0.0]
@@ -73,7 +75,8 @@ def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
         assert kinds and set(kinds) == {"verifier_retries"}  # retried, never failed
         # A call longer than the limit (a tower sympy tries to expand; the verifier's own per-item deadline is 5 s):
         # retried once, then the items fail (None) with the reason logged; the hung verifiers are restarted.
-        impatient = VerifierFront.remote(pool.verifiers, registry, 1, 1.0)
+        impatient = VerifierFront.remote(pool.verifiers, registry, load_config(DEFAULT_CONFIG, [
+            "runtime.faults.verifier_retries=1", "runtime.faults.verifier_call_timeout_s=1"]).runtime)
         hard = [tower, items[0]]
         assert ray.get(impatient.score.remote(hard)) == [None, None]
         events = ray.get(registry.drain.remote())
@@ -89,9 +92,9 @@ def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
 @pytest.mark.slow
 def test_the_time_limit_counts_from_the_start_of_scoring_not_from_the_queue(ray_local):
     registry = RuntimeRegistry.remote()
-    faults = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=0",
-                                          "runtime.faults.verifier_call_timeout_s=3"]).runtime.faults
-    pool = VerifierPool.start(1, 0, 1.2, registry, faults)  # one verifier; each tower takes its 1.2 s per-item limit
+    rt = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=0", "runtime.faults.verifier_call_timeout_s=3",
+                                      "runtime.verifier_timeout_s=1.2"]).runtime
+    pool = VerifierPool.start(rt, registry, None)  # one verifier; each tower takes its 1.2 s per-item limit
     tower = ("math", r"\boxed{10^{10^{10}}}", "5")
     try:
         # Two calls at once on one verifier: the second scores for 1.2 s after waiting 2.4 s for the first. Counted
@@ -99,6 +102,36 @@ def test_the_time_limit_counts_from_the_start_of_scoring_not_from_the_queue(ray_
         first, second = pool.score([tower, tower]), pool.score([tower])
         assert ray.get([first, second], timeout=60) == [[0.0, 0.0], [0.0]]  # wrong answers, not failures
         assert ray.get(registry.drain.remote()) == []
+    finally:
+        for actor in pool.actors() + [registry]:
+            ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_a_verifier_that_stops_answering_is_killed_at_the_time_limit_and_its_call_retried(ray_local):
+    registry = RuntimeRegistry.remote()
+    rt = load_config(DEFAULT_CONFIG, ["runtime.num_verifiers=2", "runtime.faults.verifier_retries=1",
+                                      "runtime.faults.verifier_call_timeout_s=3"]).runtime
+    pool = VerifierPool.start(rt, registry, None)
+    items = [(DATA_SOURCE, "12 + 30 = 42\n\\boxed{42}", "42"), (DATA_SOURCE, "\\boxed{41}", "42")]
+    try:
+        assert ray.get(pool.score(items)) == [1.0, 0.0]  # the first verifier, which goes to the back of the queue
+        pid = ray.get(pool.verifiers[1].__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)  # alive, answering nothing: the next call goes to it
+        start = time.monotonic()
+        assert ray.get(pool.score(items), timeout=60) == [1.0, 0.0]  # retried on the other one
+        assert 3 <= time.monotonic() - start < 3 + 30
+        events = ray.get(registry.drain.remote())
+        assert [k for _, k, _, _ in events] == ["verifier_retries"] and "timed out after 3s" in events[0][2]
+        # The stopped one was killed and restarted in place by Ray (a new process): it scores again.
+        deadline, restarted = time.monotonic() + 60, None
+        while restarted is None and time.monotonic() < deadline:
+            try:
+                restarted = ray.get(pool.verifiers[1].__ray_call__.remote(lambda _: os.getpid()), timeout=10)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)  # restarting
+        assert restarted is not None and restarted != pid
+        assert ray.get(pool.verifiers[1].score.remote(items), timeout=60) == [1.0, 0.0]
     finally:
         for actor in pool.actors() + [registry]:
             ray.kill(actor)

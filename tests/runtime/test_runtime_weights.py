@@ -1,26 +1,28 @@
 """Weight sync (runtime/weights.py) between real Ray actors on a local Ray with the real tiny model: learner rank 0
 broadcasts to hf engines over gloo (the calls NCCL makes on GPUs), an engine that joins after a transfer gets its own,
 one that dies before a transfer is dropped and the others served; the object-store path hands every engine a
-read-only (zero-copy) view of one copy in the engines' dtype; and the pipeline logs each sync's path and bytes."""
+read-only (zero-copy) view of one copy in the engines' dtype; and the loop logs each sync's path and bytes."""
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import pytest
 import ray
 import torch
 
+from treepo_ray.data.prompts import PromptStream
 from treepo_ray.engines.weights import unpack
-from treepo_ray.job.config import load_config
+from treepo_ray.job.config import RuntimeConfig, load_config
 from treepo_ray.learner import LearnerConfig, TrainSample
 from treepo_ray.runtime.learner import LearnerGroup
+from treepo_ray.runtime.liveness import actor_id
 from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
-from treepo_ray.runtime.registry import actor_id
-from treepo_ray.data.prompts import PromptStream
-from treepo_ray.runtime.pipeline import Pipeline
 from treepo_ray.runtime.weights import WeightSync, choose_path
-from runtime_testlib import job, small
+from runtime_testlib import job, small, started, trained
 
 SAMPLES = [TrainSample([5, 6, 7], [8 + i, 9, 10], advantages=1.0 if i % 2 else -1.0) for i in range(4)]
+RT = RuntimeConfig(learner_cpus=0, engine_cpus=0)
 
 
 def _engine_weights(actor) -> dict[str, torch.Tensor]:
@@ -31,65 +33,66 @@ def _same(engine: dict, exported: dict) -> bool:
     return all(torch.equal(engine[k], v) for k, v in exported.items())
 
 
-def _train_and_publish(group: LearnerGroup, version: int) -> dict[str, torch.Tensor]:
-    ray.get(group.train_step(ray.put(SAMPLES)))
-    group.publish(version)
-    return ray.get(group.export_weights())
+def _train_and_publish(group: LearnerGroup, version: int):
+    """One step, published as `version`: (the payload, the exported weights)."""
+    group.train_step(ray.put(SAMPLES))
+    return group.publish(version), ray.get(group.export_weights())
 
 
 @pytest.mark.slow
 def test_broadcast_reaches_every_engine_and_follows_joins_and_losses(ray_local, tiny):
     sync = WeightSync(path="broadcast", dtype="float32", backend="gloo", bucket_bytes=64 << 10, timeout_s=5.0)
-    group = LearnerGroup(tiny, LearnerConfig(lr=1e-2, micro_batch_size=2), num_cpus=0, weights=sync)
-    pool = GeneratorPool(EngineSpec("hf", tiny, num_cpus=0), num_engines=2, poll_s=0.2)
+    group = LearnerGroup(tiny, LearnerConfig(lr=1e-2, micro_batch_size=2), RT, sync)
+    pool = GeneratorPool(EngineSpec("hf", tiny, {}, 1, 0, 0, {}), RuntimeConfig(num_engines=2))
     try:
         # v1 to both engines in one transfer (ranks 1 and 2 of one gloo group), in buckets of 64 KiB.
-        v1 = _train_and_publish(group, 1)
-        assert group.published[1].path == "broadcast" and group.published[1].metrics()["weights/broadcast"] == 1.0
-        pool.load_weights(group.published[1], 1)
-        a, b = pool.engines()
+        p1, v1 = _train_and_publish(group, 1)
+        assert p1.path == "broadcast" and p1.metrics()["weights/broadcast"] == 1.0
+        pool.load_weights(p1, 1)
+        a, b = pool.members().values()
         assert _same(_engine_weights(a), v1) and _same(_engine_weights(b), v1)
         assert {s["weights_version"] for s in pool.stats()} == {1}
 
         # Rank 0 sends from a concurrency group of its own: a transfer runs while the learner trains.
-        long_step = group.train_step(ray.put(SAMPLES * 512))  # seconds, against milliseconds for the transfer
-        pool.load_weights(group.published[1], 1)
-        assert not ray.wait([long_step], timeout=0)[0]  # the transfer is done, the step still running
-        ray.get(long_step)
+        with concurrent.futures.ThreadPoolExecutor(1) as threads:
+            long_step = threads.submit(group.train_step, ray.put(SAMPLES * 512))  # seconds, against ms for the transfer
+            pool.load_weights(p1, 1)
+            assert not long_step.done()  # the transfer is done, the step still running
+            long_step.result()
 
-        # One engine leaves; its replacement joins after that transfer and gets v1 in a transfer of its own.
+        # One engine leaves (the supervisor drops it: here by hand); its replacement joins after that transfer and
+        # gets v1 in a transfer of its own.
         ray.kill(a)
-        while pool.size < 2 or actor_id(a) in {actor_id(e) for e in pool.engines()}:
+        pool.drop(actor_id(a), "killed by the test")
+        while pool.size < 2:
             pool.tick(wait_s=0.2)
-        joiner = next(e for e in pool.engines() if e is not b)
+        joiner = next(e for e in pool.members().values() if e is not b)
         assert _same(_engine_weights(joiner), v1)
         assert ray.get(joiner.stats.remote())["weights_version"] == 1
 
         # v2: an engine dies after the pool last looked, so the first transfer's group never forms; it is sent
-        # again to the live one, and the dead one is reported lost.
-        v2 = _train_and_publish(group, 2)
+        # again to the live one, and the dead one is dropped.
+        p2, v2 = _train_and_publish(group, 2)
         assert not _same(v2, v1)
         ray.kill(joiner)
-        pool.load_weights(group.published[1], 2)
-        assert pool.weights_version == 2 and pool.engines() == [b] and pool.lost == 2
+        pool.load_weights(p2, 2)
+        assert pool.weights_version == 2 and list(pool.members().values()) == [b]
         assert _same(_engine_weights(b), v2)
         # Rank 0 keeps only what the pool or a joiner may still ask for.
         held = ray.get(group.ranks[0].__ray_call__.remote(lambda r: sorted(r._held)))
         assert held == [2]
     finally:
         pool.close()
-        for r in group.ranks:
-            ray.kill(r)
+        group.close()
 
 
 @pytest.mark.slow
 def test_object_store_path_exports_in_the_engines_dtype_and_is_read_in_place(ray_local, tiny):
-    sync = WeightSync(path="object_store", dtype="bfloat16")
-    group = LearnerGroup(tiny, LearnerConfig(lr=1e-2, micro_batch_size=2), num_cpus=0, weights=sync)
-    pool = GeneratorPool(EngineSpec("hf", tiny, num_cpus=0), num_engines=1)
+    sync = WeightSync(path="object_store", dtype="bfloat16", backend="gloo", bucket_bytes=1 << 20, timeout_s=60.0)
+    group = LearnerGroup(tiny, LearnerConfig(lr=1e-2, micro_batch_size=2), RT, sync)
+    pool = GeneratorPool(EngineSpec("hf", tiny, {}, 1, 0, 0, {}), RT)
     try:
-        exported = _train_and_publish(group, 1)
-        payload = group.published[1]
+        payload, exported = _train_and_publish(group, 1)
         packed = ray.get(payload.packed)
         assert not packed.buffer.flags.writeable  # a view of the object store's shared memory, not a copy
         weights = unpack(packed.specs, packed.buffer)
@@ -98,13 +101,12 @@ def test_object_store_path_exports_in_the_engines_dtype_and_is_read_in_place(ray
         assert payload.metrics() == {"weights/bytes": float(packed.nbytes), "weights/broadcast": 0.0}
         assert packed.nbytes < sum(v.numel() * 4 for v in exported.values()) / 2 + 4096  # half of float32
         pool.load_weights(payload, 1)
-        (engine,) = pool.engines()
+        (engine,) = pool.members().values()
         loaded = _engine_weights(engine)
         assert all(torch.equal(loaded[k], weights[k].float()) for k in weights)
     finally:
         pool.close()
-        for r in group.ranks:
-            ray.kill(r)
+        group.close()
 
 
 def test_auto_path_broadcasts_between_whole_gpus_only():
@@ -123,16 +125,15 @@ def test_auto_path_broadcasts_between_whole_gpus_only():
 
 
 @pytest.mark.slow
-def test_the_pipeline_logs_each_syncs_path_and_bytes(ray_local, tiny):
+def test_the_loop_logs_each_syncs_path_and_bytes(ray_local, tiny):
     run = job(small(tiny, "runtime.weights.path=broadcast", "runtime.max_staleness=0"))
-    pipe = Pipeline(run.cfg, run.model_path, run.tokenizer)
-    rows = []
+    rt = started(run)
     try:
-        assert pipe.weight_sync.describe() == "weights reach the engines in float32 by broadcast from learner rank 0 (gloo)"
-        pipe.train(0, 2, PromptStream(run.train_set, 0), lambda batch, m: rows.append(m) or True)
-        first, second = rows
+        assert rt.supervisor.learner.weights.describe() == ("weights reach the engines in float32 by broadcast from "
+                                                           "learner rank 0 (gloo)")
+        first, second = [m for _, m in trained(rt, 0, 2, PromptStream(run.train_set, 0))]
         assert first["weights/bytes"] == 0.0 and "weights/broadcast" not in first  # nothing published before step 0
         assert second["weights/broadcast"] == 1.0 and second["weights/bytes"] > 0 and second["timing_s/update_weights"] > 0
-        assert {s["weights_version"] for s in pipe.pool.stats()} == {1}
+        assert {s["weights_version"] for s in rt.supervisor.pool.stats()} == {1}
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()

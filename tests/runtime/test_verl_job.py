@@ -107,9 +107,7 @@ def test_correct_answers_score_1_by_every_route(verl_job, ray_local):
         scored = score_answers(records, [[text] for _, text, _, _ in right], s)
         assert [p["correct"] for p in scored] == [[1.0], [1.0], [1.0]]
     # 3. the training job's verifier actors on Ray (what the schedulers and the held-out evaluation call)
-    faults = cfg.runtime.faults
-    pool = VerifierPool.start(1, 0, cfg.runtime.verifier_timeout_s, RuntimeRegistry.remote(), faults,
-                              cfg.custom_reward_function)
+    pool = VerifierPool.start(cfg.runtime, RuntimeRegistry.remote(), cfg.custom_reward_function)
     try:
         assert ray.get(pool.score(right + wrong)) == [1.0, 1.0, 1.0, 0.0, 0.0]
     finally:

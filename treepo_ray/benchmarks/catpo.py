@@ -26,6 +26,7 @@ the base model and of each final policy. Everything is written to --json.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from treepo_ray.benchmarks.common import parse_job_args, write_json
+from treepo_ray.algo.catpo import score_tree
 from treepo_ray.job.config import CONFIG_DIR, AlgoConfig, TrainConfig
 
 DEFAULT = CONFIG_DIR / "catpo_cpu.yaml"
@@ -69,21 +71,25 @@ def spearman(x, y) -> float:
     return pearson(average_ranks(np.asarray(x, dtype=np.float64)), average_ranks(np.asarray(y, dtype=np.float64)))
 
 
-def h2_check(pipe, trees, cfg: TrainConfig, model_path: str) -> dict:
+def h2_check(rt, trees, cfg: TrainConfig, model_path: str) -> dict:
     """Heal copies of the dead-wrong trees among `trees` with each prompts file; per file, the share healed."""
-    from treepo_ray.runtime.healer import make_healer, score_and_heal
+    from treepo_ray.runtime.healer import make_healer, verified_phases
     from treepo_ray.tree.tree import Tree
 
     catpo = cfg.algo.catpo
-    dead = [t for t in trees if catpo.score(Tree.from_json(t.to_json()))["regime"] == "dead_wrong"]
+    dead = [t for t in trees if score_tree(Tree.from_json(t.to_json()), catpo.tau_low, catpo.tau_high,
+                                           catpo.var_cut)["regime"] == "dead_wrong"]
     out: dict = {"dead_wrong_trees": len(dead), "of_trees": len(trees), "paper_healed_share": PAPER["healed_share"]}
     for name, prompts in (("with_critique", catpo.healing.prompts_path), ("without_critique", str(NO_CRITIQUE))):
         variant = dataclasses.replace(catpo, healing=dataclasses.replace(catpo.healing, prompts_path=prompts))
-        healer = make_healer(pipe.pool, pipe.verifiers, model_path, variant, cfg.sampler_config.step_len)
+        variant_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, catpo=variant))
+        healer = make_healer(rt.supervisor.router, rt.supervisor.verifiers, model_path, variant_cfg)
 
         async def heal_all():
             copies = [Tree.from_json(t.to_json()) for t in dead]
-            return await asyncio.gather(*(score_and_heal(c, variant, healer, 7919 + i) for i, c in enumerate(copies)))
+            return await asyncio.gather(*(verified_phases(c, variant_cfg.algo, healer, 7919 + i,
+                                                          cfg.runtime.deadlines.grow_s)
+                                          for i, c in enumerate(copies)))
 
         try:
             healed = asyncio.run(heal_all())
@@ -105,7 +111,7 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
     from treepo_ray.learner import Learner
     from treepo_ray.learner.batch import train_trees
 
-    algo = AlgoConfig(name="treerpo", treerpo_prune_range=cfg.algo.treerpo_prune_range)
+    algo = AlgoConfig(name="treerpo", treerpo=cfg.algo.treerpo)
     scores = [tree_informativeness(t) for t in trees]
     groups = [train_trees([t], algo.credit([t])) for t in trees]  # weight 1: the unweighted TreeRPO loss
     loss = LossConfig(clip_low=cfg.learner.loss.clip_low, clip_high=cfg.learner.loss.clip_high,
@@ -127,31 +133,29 @@ def h1_check(trees, cfg: TrainConfig, model_path: str) -> dict:
             "pairs": [[round(f, 6), round(n, 6)] for f, n in zip(F, norms)]}
 
 
-def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: float | None = None) -> dict:
-    """Train a fresh pipeline for `max_steps` steps, or until it has sampled `token_budget` tokens."""
+def train_run(rt, prompts, cfg: TrainConfig, max_steps: int, token_budget: float | None = None) -> dict:
+    """Train a fresh run for `max_steps` steps, or until it has sampled `token_budget` tokens."""
     from treepo_ray.data.prompts import PromptStream
 
     rows: list[dict] = []
     tokens = 0.0
-
-    def on_step(batch, metrics: dict) -> bool:
-        nonlocal tokens
-        rows.append(metrics)
-        tokens += metrics["rollout/sampled_tokens"]
-        print(f"  {cfg.algo.name} step {len(rows)}: reward {metrics['critic/score/mean']:.3f}, "
-              f"sampled tokens {tokens:.0f}" + (f", dead-wrong {metrics['catpo/dead_wrong']:.0f}, healed "
-                                                 f"{metrics['catpo/healed']:.0f}" if "catpo/healed" in metrics else ""),
-              flush=True)
-        return token_budget is None or tokens < token_budget
-
     t0 = time.perf_counter()
-    done = pipe.train(0, max_steps, PromptStream(prompts, cfg.trainer.seed, cfg.data.shuffle), on_step)
+    steps = rt.loop.steps(0, max_steps, PromptStream(prompts, cfg.trainer.seed, cfg.data.shuffle))
+    with contextlib.closing(steps):
+        for _, metrics in steps:
+            rows.append(metrics)
+            tokens += metrics["rollout/sampled_tokens"]
+            print(f"  {cfg.algo.name} step {len(rows)}: reward {metrics['critic/score/mean']:.3f}, sampled tokens "
+                  f"{tokens:.0f}" + (f", dead-wrong {metrics['catpo/dead_wrong']:.0f}, healed "
+                                     f"{metrics['catpo/healed']:.0f}" if "catpo/healed" in metrics else ""), flush=True)
+            if token_budget is not None and tokens >= token_budget:
+                break
     train_s = time.perf_counter() - t0
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
-    out = {"steps": done, "sampled_tokens": tokens, "train_s": train_s,
+    out = {"steps": rt.loop.version, "sampled_tokens": tokens, "train_s": train_s,
            "rollout_s_per_step": total("timing_s/gen") / max(len(rows), 1),
            "rollout_reward": [round(r["critic/score/mean"], 4) for r in rows]}
-    if cfg.algo.name == "catpo":
+    if any("catpo/heal_attempts" in r for r in rows):
         attempts, healed = total("catpo/heal_attempts"), total("catpo/healed")
         out["regimes_sampled"] = {r: total(f"catpo/{r}") for r in
                                   ("dead_correct", "dead_wrong", "stale", "informative")}
@@ -174,45 +178,43 @@ def train_run(pipe, prompts, cfg: TrainConfig, max_steps: int, token_budget: flo
 def run(cfg: TrainConfig, steps: int, h1_trees: int) -> dict:
     from treepo_ray import config as config_io
     from treepo_ray.data.prompts import PromptStream
-    from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.train import set_up
+    from treepo_ray.runtime.cluster import set_up
+    from treepo_ray.runtime.train import start_runtime
 
     job = set_up(cfg)
-    model_path, tokenizer, records, test_set = job.model_path, job.tokenizer, job.train_set, job.test_set
+    model_path, records, test_set = job.model_path, job.train_set, job.test_set
     tr = cfg.trainer
-    eval_args = dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
-                     samples=tr.eval_samples, temperature=tr.eval_temperature)
     result: dict = {"model": model_path, "eval_problems": len(test_set),
                     "eval": f"pass@1: mean of {tr.eval_samples} answers per problem at temperature "
                             f"{tr.eval_temperature}, fixed seeds", "prompts_per_step": tr.prompts_per_step}
 
     catpo_cfg = config_io.apply_overrides(cfg, ["algo.name=catpo"])
-    pipe = Pipeline(catpo_cfg, model_path, tokenizer)
+    rt = start_runtime(catpo_cfg, job)
     try:
-        result["base_accuracy"] = pipe.evaluate(test_set, **eval_args).get("eval/accuracy")
+        result["base_accuracy"] = rt.evaluator.evaluate().get("eval/accuracy")
         print(f"base model: held-out accuracy {result['base_accuracy']:.3f}; CATPO for {steps} steps", flush=True)
-        result["catpo"] = train_run(pipe, records, catpo_cfg, steps)
-        pipe.sync_weights(result["catpo"]["steps"])
-        result["catpo"]["final_accuracy"] = pipe.evaluate(test_set, **eval_args).get("eval/accuracy")
+        result["catpo"] = train_run(rt, records, catpo_cfg, steps)
+        rt.loop.sync_engines()
+        result["catpo"]["final_accuracy"] = rt.evaluator.evaluate().get("eval/accuracy")
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
 
     treerpo_cfg = config_io.apply_overrides(cfg, ["algo.name=treerpo"])
-    pipe = Pipeline(treerpo_cfg, model_path, tokenizer)
+    rt = start_runtime(treerpo_cfg, job)
     try:
         # H1 trees: fresh training prompts (another seed's order), grown with the base weights.
         h1_prompts = PromptStream(records, cfg.trainer.seed + 1).take(h1_trees)
         print(f"H1: {h1_trees} TreeRPO trees with the base weights", flush=True)
-        h1_trees_grown = pipe.grow(h1_prompts)
+        h1_trees_grown = rt.supervisor.grow(h1_prompts, 0.0)
         result["h1"] = h1_check(h1_trees_grown, treerpo_cfg, model_path)
-        result["h2_offline"] = h2_check(pipe, h1_trees_grown, catpo_cfg, model_path)
+        result["h2_offline"] = h2_check(rt, h1_trees_grown, catpo_cfg, model_path)
         budget = result["catpo"]["sampled_tokens"]
         print(f"TreeRPO until {budget:.0f} sampled tokens", flush=True)
-        result["treerpo"] = train_run(pipe, records, treerpo_cfg, 3 * steps, token_budget=budget)
-        pipe.sync_weights(result["treerpo"]["steps"])
-        result["treerpo"]["final_accuracy"] = pipe.evaluate(test_set, **eval_args).get("eval/accuracy")
+        result["treerpo"] = train_run(rt, records, treerpo_cfg, 3 * steps, token_budget=budget)
+        rt.loop.sync_engines()
+        result["treerpo"]["final_accuracy"] = rt.evaluator.evaluate().get("eval/accuracy")
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
     # Standard error over problems (answers to one problem are correlated, so not over answers): the scale of
     # accuracy differences that are noise.
     for key in ("catpo", "treerpo"):

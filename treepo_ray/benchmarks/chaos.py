@@ -3,8 +3,8 @@
     treepo-ray bench chaos [config.yaml] [--kill engine,scheduler,verifier,learner] [--every S] [--steps N]
                            [--json PATH] [key=value ...]
 
-Both runs are the training job itself (runtime/train.py: run storage, checkpoints, recovery) in one Ray, with the
-same config, model, prompts and seeds, each in a run directory of its own. The second kills one actor every S
+Both runs are the training job itself (runtime/train.py, job/trainer.py: run storage, checkpoints, recovery) in one
+Ray, with the same config, model, prompts and seeds, each in a run directory of its own. The second kills one actor every S
 seconds of wall time, the kinds of --kill in turn (runtime.chaos: ray.kill and SIGKILL of the actor's process
 alternately). A lost engine's requests are re-sent to a live one; a lost scheduler's prompts are grown again on a
 new one; a lost verifier is restarted in place and its call retried; a lost learner is rebuilt from the newest

@@ -4,8 +4,8 @@
                        [--budget-s S | --budget-tokens N] [--eval-points N] [--out DIR] [--json FILE] [key=value ...]
 
 Default config: jobs/configs/cpu.yaml (the tiny base model on the default synthetic task, local Ray). One set-up
-(model, data, Ray: runtime/train.py `set_up`), then for every seed, every algorithm in turn (so a change in the
-host's speed part way through falls on all of them), a fresh Pipeline (the job's own loop) trained until its budget
+(model, data, Ray: runtime/cluster.py `set_up`), then for every seed, every algorithm in turn (so a change in the
+host's speed part way through falls on all of them), a fresh run (the job's own actors and loop) trained until its budget
 is spent: the same wall-clock training time for every run (`--budget-s`, the default), or the same number of
 sampled tokens (`--budget-tokens`). Held-out accuracy (the job's evaluation: trainer.eval_size problems,
 trainer.eval_samples answers each at trainer.eval_temperature, fixed seeds) is taken of the weights published first
@@ -28,6 +28,7 @@ time and against sampled tokens (mean and min-max band over seeds) as PNGs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from treepo_ray.algo.credit import ALGORITHMS
+from treepo_ray.algo import ALGORITHMS
 from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
 
 DEFAULT_ALGOS = ("grpo", "dapo", "treepo")
@@ -83,18 +84,18 @@ def run_config(path: str, overrides: list[str], algo: str, seed: int) -> TrainCo
 
 
 def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: float | None, eval_points: int) -> dict:
-    """Train one fresh pipeline until its budget is spent. The weights published first after each of `eval_points`
-    evenly spaced marks of the budget, and the final ones, are kept (object-store copies) with the training wall
-    time and sampled tokens at their publication; `evaluate_runs` scores them afterwards, so the run's clock holds
-    training only, with rollout and learning overlapped as in a job (an evaluation inside the loop would stall the
-    rollout while the learner went on training for free)."""
+    """Train one fresh run (its own actors and loop) until its budget is spent. The weights published first after
+    each of `eval_points` evenly spaced marks of the budget, and the final ones, are kept (object-store copies) with
+    the training wall time and sampled tokens at their publication; `evaluate_runs` scores them afterwards, so the
+    run's clock holds training only, with rollout and learning overlapped as in a job (an evaluation inside the loop
+    would stall the rollout while the learner went on training for free)."""
     from treepo_ray.data.prompts import PromptStream
-    from treepo_ray.runtime.pipeline import Pipeline
+    from treepo_ray.runtime.train import start_runtime
 
     tr = cfg.trainer
     budget = budget_s if budget_tokens is None else budget_tokens
     marks = [budget * (i + 1) / (eval_points + 1) for i in range(eval_points)]
-    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+    rt = start_runtime(cfg, job)
     rows: list[dict] = []
     kept: list[tuple] = []  # (wall s, sampled tokens, weights) per evaluation point
     clock = {"start": 0.0, "tokens": 0.0, "wall": 0.0}
@@ -102,11 +103,8 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     def spent(wall: float) -> float:  # in the budget's unit
         return wall if budget_tokens is None else clock["tokens"]
 
-    # The log-prob temperature schedule runs over the budget, not over trainer.steps (which a budgeted run ignores).
-    pipe.progress = lambda step: spent(time.perf_counter() - clock["start"]) / budget
-
     def keep(wall: float, tokens: float) -> None:
-        kept.append((wall, tokens, pipe.learner.kept_copy()))  # the weights of the step just trained
+        kept.append((wall, tokens, rt.loop.kept_weights()))  # the weights of the step just trained
 
     def on_step(batch, m: dict) -> bool:
         clock["tokens"] += m.get("rollout/sampled_tokens", 0.0)
@@ -123,15 +121,22 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
 
     try:
         clock["start"] = time.perf_counter()
-        done = pipe.train(0, 10**6, PromptStream(job.train_set, tr.seed, cfg.data.shuffle), on_step)
+        # The log-prob temperature schedule runs over the budget, not over trainer.steps (which a budgeted run ignores).
+        steps = rt.loop.steps(0, 10**6, PromptStream(job.train_set, tr.seed, cfg.data.shuffle),
+                              progress=lambda step: spent(time.perf_counter() - clock["start"]) / budget)
+        with contextlib.closing(steps):
+            for batch, m in steps:
+                if not on_step(batch, m):
+                    break
+        done = rt.loop.version
         if not kept or kept[-1][0] != clock["wall"]:
             keep(clock["wall"], clock["tokens"])  # the final weights
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
     out = {"seed": tr.seed, "wall_s": clock["wall"], "sampled_tokens": clock["tokens"], "steps": done,
            "tree_counters": {k.split("/", 1)[1]: total(k) for k in rows[0] if k.startswith("growth/")} if rows else {},
-           # Batches may grow at once (pipeline.py), so their growth times (rollout_s) can sum past the wall time;
+           # Batches may grow at once (runtime/loop.py), so their growth times (rollout_s) can sum past the wall time;
            # engine_busy_s is what the engines spent running them.
            "time": {"rollout_s": total("timing_s/gen"), "engine_busy_s": total("perf/engine_busy_s"),
                     "learner_s": total("timing_s/update_actor"), "learner_waiting_s": total("timing_s/wait"),
@@ -141,7 +146,7 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
            "rollout_reward": [round(r.get("critic/score/mean", math.nan), 4) for r in rows],
            "schedule_progress": [round(r.get("rollout/progress", math.nan), 4) for r in rows],
            "kept_weights": kept}
-    if cfg.algo.name == "catpo":
+    if any("catpo/heal_attempts" in r for r in rows):  # an algorithm that heals
         out["healing"] = {"attempts": total("catpo/heal_attempts"), "healed": total("catpo/healed"),
                           "errors": total("catpo/heal_errors"), "dead_wrong": total("catpo/dead_wrong"),
                           "generated_tokens": total("catpo/heal_generated_tokens"),
@@ -149,34 +154,38 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     return out
 
 
-def eval_args(cfg: TrainConfig) -> dict:
-    tr = cfg.trainer
-    return dict(max_new_tokens=tr.eval_max_new_tokens or cfg.sampler_config.response_limit(),
-                samples=tr.eval_samples, temperature=tr.eval_temperature)
+@contextlib.contextmanager
+def evaluator(cfg: TrainConfig, job):
+    """The run's evaluator (runtime/evaluator.py: the job's held-out set and settings of `cfg`) on engines and
+    verifiers of their own, as many engines as the cluster has room for."""
+    from treepo_ray.runtime.evaluator import Evaluator
+    from treepo_ray.runtime.supervisor import Supervisor
+
+    supervisor = Supervisor.for_evaluation(cfg, job.model_path)
+    try:
+        yield Evaluator(cfg, supervisor, job.tokenizer, job.test_set)
+    finally:
+        supervisor.shutdown()
 
 
 def evaluate_runs(job, cfg: TrainConfig, runs: list[dict], base_accuracy: float) -> int:
     """Score every run's kept weights on the held-out set (one evaluator for all) into its `curve`
     ([wall_s, sampled_tokens, accuracy] rows from [0, 0, base]) and `final_accuracy`; `time.eval_s` is the
     evaluation time, outside the run's clock. Returns the evaluator's number of engines."""
-    from treepo_ray.runtime.pipeline import Pipeline
-
-    ev = Pipeline.evaluator(cfg, job.model_path, job.tokenizer)
-    print(f"evaluating {sum(len(r['kept_weights']) for r in runs)} kept weights on {ev.pool.size} engines", flush=True)
-    try:
+    with evaluator(cfg, job) as ev:
+        pool = ev.supervisor.pool
+        print(f"evaluating {sum(len(r['kept_weights']) for r in runs)} kept weights on {pool.size} engines", flush=True)
         version = 0
         for run in runs:
             run["curve"], started = [[0.0, 0.0, base_accuracy]], time.perf_counter()
             for wall, tokens, weights in run.pop("kept_weights"):
                 version += 1  # a fresh version each time: the engines drop every cache entry on a load
-                ev.pool.load_weights(weights, version)
-                run["curve"].append([round(wall, 2), tokens, ev.evaluate(job.test_set, **eval_args(cfg))["eval/accuracy"]])
+                pool.load_weights(weights, version)
+                run["curve"].append([round(wall, 2), tokens, ev.evaluate()["eval/accuracy"]])
             run["final_accuracy"] = run["curve"][-1][2]
             run["time"]["eval_s"] = time.perf_counter() - started
             print(f"  evaluated seed {run['seed']}: {[round(a, 3) for _, _, a in run['curve']]}", flush=True)
-        return ev.pool.size
-    finally:
-        ev.shutdown()
+        return pool.size
 
 
 def first_reaching(curve: list, target: float, column: int) -> float | None:
@@ -303,18 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"treepo-ray compare: {err}", file=sys.stderr)
         return 2
-    from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.train import set_up
+    from treepo_ray.runtime.cluster import set_up
 
     started = time.time()
     first = cfgs[(args.algos[0], args.seed_list[0])]
     job = set_up(first)
     tr = first.trainer
-    ev = Pipeline.evaluator(first, job.model_path, job.tokenizer)  # the base model's accuracy, once for every run
-    try:
-        base = ev.evaluate(job.test_set, **eval_args(first))["eval/accuracy"]
-    finally:
-        ev.shutdown()
+    with evaluator(first, job) as ev:  # the base model's accuracy, once for every run
+        base = ev.evaluate()["eval/accuracy"]
     print(f"base model: held-out accuracy {base:.3f} on {len(job.test_set)} problems", flush=True)
     algos: dict = {a: {"runs": []} for a in args.algos}
     for (algo, seed), cfg in cfgs.items():

@@ -111,19 +111,22 @@ def treerpo_tree(rng, prompt_len: int, seg: int, vocab: int, n: int = 8, depth: 
 
 def _job_trees_child(cfg: TrainConfig, out: str) -> None:
     """Grow, score and credit the default job's first batch (Ray lives and dies with this process)."""
+    import threading
+
     import torch
 
     from treepo_ray.data.prompts import PromptStream
-    from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.train import set_up
+    from treepo_ray.runtime.cluster import set_up
+    from treepo_ray.runtime.train import start_runtime
 
     job = set_up(cfg)
-    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+    rt = start_runtime(cfg, job)
     try:
-        batch = pipe.make_batch(0, PromptStream(job.train_set, cfg.trainer.seed, cfg.data.shuffle))
+        stream = PromptStream(job.train_set, cfg.trainer.seed, cfg.data.shuffle)
+        batch = rt.loop.builder.make(0, stream, 0.0, 0, threading.Event())
         torch.save(batch.fetch(), out)
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"treepo-ray bench learner: --configs from {CONFIGS}, --rounds and --steps >= 1", file=sys.stderr)
         return 2
     from treepo_ray.learner import train_trees
-    from treepo_ray.runtime.train import resolve_model
+    from treepo_ray.job.inputs import resolve_model
 
     model_path = resolve_model(cfg)
     vocab = 200  # token ids of b and c: inside the tiny model's byte vocabulary

@@ -2,7 +2,7 @@
 
     treepo-ray bench overlap [config.yaml] [--steps N] [--rounds R] [--json PATH] [key=value ...]
 
-Both modes run in one invocation on one pipeline (the same actors, model, data), with one engine and one learner
+Both modes run in one invocation on one run's actors (the same actors, model, data), with one engine and one learner
 rank that each reserve one CPU and use one torch thread, so what differs is only whether the generation of batch
 k+1 overlaps the learner's step on batch k. The modes alternate in `rounds` chunks of `steps` steps each, so a
 change in the machine's background load hits both alike. A step's time is the wall time between two finished
@@ -37,23 +37,22 @@ def summarise(rows: list[dict], staleness: int) -> dict:
 
 def run(cfg: TrainConfig, steps: int, rounds: int) -> dict:
     from treepo_ray.data.prompts import PromptStream
-    from treepo_ray.runtime.pipeline import Pipeline
-    from treepo_ray.runtime.train import set_up
+    from treepo_ray.runtime.cluster import set_up
+    from treepo_ray.runtime.train import start_runtime
 
     job = set_up(cfg)
-    pipe = Pipeline(cfg, job.model_path, job.tokenizer)
+    rt = start_runtime(cfg, job)
     stream = PromptStream(job.train_set, cfg.trainer.seed)
     timed: dict[int, list[dict]] = {0: [], 1: []}
     done = 0
     try:
         for _ in range(rounds):
             for s in (0, 1):
-                rows: list[dict] = []
-                done = pipe.train(done, done + steps, stream, lambda batch, m: rows.append(m) or True,
-                                  max_staleness=s)
+                rows = [m for _, m in rt.loop.steps(done, done + steps, stream, max_staleness=s)]
+                done = rt.loop.version
                 timed[s] += rows[1:]  # the chunk's first step cannot overlap anything
     finally:
-        pipe.shutdown()
+        rt.supervisor.shutdown()
     sync, overlapped = summarise(timed[0], 0), summarise(timed[1], 1)
     for m in (sync, overlapped):
         print(f"max_staleness={m['max_staleness']}: {m['step_s']:.3f} s/step (mean of {m['timed_steps']}; "

@@ -1,8 +1,10 @@
 """The job's inputs as the user named them: the model, the prompts and the reward function, checked before anything
 slow starts (so that a mistake is one UserError line, not a traceback after the base model and Ray are up) and then
-loaded. Shared by `treepo-ray train` (runtime/train.py set_up) and `treepo-ray eval` (job/evaluate.py)."""
+loaded. Shared by `treepo-ray train` (runtime/cluster.py set_up) and `treepo-ray eval` (job/evaluate.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from treepo_ray.config import UserError
 from treepo_ray.data.datasets import SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, load_records
@@ -49,3 +51,27 @@ def load_prompts(cfg: TrainConfig, model_path: str, tokenizer) -> tuple[list[Pro
     budget = PromptBudget(model_context_length(model_path), cfg.sampler_config.response_limit())
     return load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, budget=budget,
                         custom_reward=cfg.custom_reward_function.enabled)
+
+
+@dataclass
+class Job:
+    """What every run of the job starts from (the training job, and the benchmarks that run it)."""
+
+    cfg: TrainConfig
+    model_path: str
+    tokenizer: object
+    train_set: list[Prompt]
+    test_set: list[Prompt]
+    """Held-out prompts, at most trainer.eval_size of them."""
+
+
+def load_job(cfg: TrainConfig) -> Job:
+    """The inputs checked, then the model (the tiny base model is built first: it uses every core), its tokenizer
+    and the task's prompts."""
+    from transformers import AutoTokenizer
+
+    check_inputs(cfg)
+    model_path = resolve_model(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_set, test_set = load_prompts(cfg, model_path, tokenizer)
+    return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])

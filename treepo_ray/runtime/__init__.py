@@ -1,4 +1,5 @@
-"""Layer 5: the only package that imports Ray. Thin actor shells over the layers below and the asynchronous
-pipeline that wires them: engine.py, pool.py, scheduler.py, verifier.py, healer.py, learner.py (one module per
-actor kind), registry.py (membership and fault journal), pipeline.py (the loop), recovery.py (the loop that
-survives a lost learner) and train.py (`treepo-ray train`)."""
+"""Layer 6: the only package that imports Ray. Thin actor shells over the layers below (engine.py, scheduler.py,
+verifier.py, healer.py, learner.py: one module per actor kind; weights.py), the engines' router and pool (router.py,
+pool.py), the supervisor that owns every actor's life, failure and deadline (supervisor.py, with liveness.py,
+registry.py and chaos.py), the batch builder (batches.py), the evaluator (evaluator.py), the loop (loop.py), and
+`treepo-ray train` (train.py, with cluster.py). ARCHITECTURE.md is the map."""

@@ -1,7 +1,9 @@
-"""The engine actor: one generation engine (engines/) behind Ray, batching continuously across every caller.
+"""The engine actor: one generation engine (engines/: the `Engine` protocol) behind Ray, batching continuously
+across every caller.
 
-Schedulers reach it through the generator pool (pool.py), which routes a tree's requests to one engine (its prefix
-cache lives there) and replaces engines that are lost.
+Callers reach it through an engine router (router.py), which sends a tree's requests to one engine (its prefix cache
+lives there); the generator pool (pool.py) starts engines and brings them their weights, the supervisor
+(supervisor.py) replaces those that are lost or stuck.
 
 A vLLM engine with tensor_parallel_size > 1 runs in a placement group of one bundle per GPU on one node
 (`engine_placement`): the actor takes bundle 0's CPUs and no GPU, and captures its child tasks, so vLLM's Ray
@@ -59,7 +61,7 @@ def limit_threads(n: int) -> None:
 class EngineActor:
     """One engine. `generate` may be called concurrently: every caller's requests join the running batch."""
 
-    def __init__(self, engine: str, model_path: str, engine_kwargs: dict, torch_threads: int = 1):
+    def __init__(self, engine: str, model_path: str, engine_kwargs: dict, torch_threads: int):
         limit_threads(torch_threads)
         import torch
 
@@ -100,10 +102,9 @@ class EngineActor:
         """Load `state_dict` (name -> tensor), or a payload of weights.py that loads itself into the engine (an
         object-store copy, or this engine's part of a broadcast)."""
         # The swap happens between two decode steps. An engine that can swap under running sequences (hf) does so
-        # at once, so the next batch grows while the last one finishes (pipeline.py); any other first lets the
+        # at once, so the next batch grows while the last one finishes (loop.py); any other first lets the
         # running sequences finish on the weights they started with.
-        in_flight = getattr(self.engine, "loads_weights_while_running", False)
-        while not in_flight and self._stepper is not None and not self._stepper.done():
+        while not self.engine.loads_weights_while_running and self._stepper is not None and not self._stepper.done():
             await asyncio.wait([self._stepper])
         if isinstance(state_dict, dict):
             self.engine.load_weights(state_dict, version)
@@ -111,25 +112,20 @@ class EngineActor:
             await state_dict.load_into(self.engine, version)
         return version
 
-    async def loads_weights_while_running(self) -> bool:
-        """Whether the engine takes new weights between two steps while sequences run (HFEngine)."""
-        return bool(getattr(self.engine, "loads_weights_while_running", False))
-
-    async def weights_dtype(self) -> str:
-        """The dtype the engine keeps its weights in (what the learner exports for it), e.g. 'bfloat16'."""
-        dtype = getattr(self.engine, "weights_dtype", None) or next(self.engine.model.parameters()).dtype
-        return str(dtype).removeprefix("torch.")
+    async def describe(self) -> dict:
+        """What the runtime plans with: `weights_dtype` (what the learner exports for the engines) and
+        `loads_weights_while_running` (the next batch may start before the last one is done: loop.py)."""
+        return {"weights_dtype": self.engine.weights_dtype,
+                "loads_weights_while_running": self.engine.loads_weights_while_running}
 
     async def release(self, keys: list[str]) -> None:
         self.engine.release(keys)
 
-    async def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float = 1.0) -> list[float]:
+    async def score(self, prefix_ids: list[int], token_ids: list[int], temperature: float) -> list[float]:
         """Log-probs of `token_ids` after `prefix_ids` under the current weights at `temperature`, one
         teacher-forced forward run between two decode steps (CATPO: the grafted branches' log-probs, given the
         tree's own prefix, at the tree's sampling temperature)."""
-        from treepo_ray.healing.logprobs import engine_logprobs
-
-        return engine_logprobs(self.engine, prefix_ids, token_ids, temperature)
+        return self.engine.score(prefix_ids, token_ids, temperature)
 
     async def stats(self) -> dict:
         """The engine's counters, `weights_version` (the weights it runs) among them."""

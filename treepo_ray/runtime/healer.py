@@ -1,9 +1,10 @@
-"""CATPO phase 3 on Ray: the healer actor, a thin shell over healing.critique.CritiqueHealer.
+"""Phases an algorithm runs on a tree right after it is verified (algo/spec.py), and the healer actor that heals
+dead-wrong trees for CATPO (phase 3): a thin shell over healing.critique.CritiqueHealer.
 
-    TreeScheduler ──verified tree──▶ score_and_heal: F(T), regime ──dead-wrong──▶ HealerActor.heal
-                                                                                  │ critique + k continuations
-                                                                                  ▼   on the generator pool
-                                        healed tree, F(T) again ◀── grafted, verified, rewards re-propagated
+    TreeScheduler ──verified tree──▶ verified_phases: score ──needs healing──▶ HealerActor.heal
+                                                                               │ critique + k continuations
+                                                                               ▼   on the engines (a router)
+                                        healed tree, scored again ◀── grafted, verified, rewards re-propagated
 
 The scheduler awaits the healer without blocking its event loop, so a tree's healing overlaps the growth of the
 other trees of the batch. The healer's generation is ordinary segment requests on the engines, and the log-probs
@@ -21,11 +22,8 @@ import threading
 import ray
 
 from treepo_ray.engines.decode import safe_decode
-from treepo_ray.healing.critique import CritiqueHealer, HealingConfig
-from treepo_ray.algo.catpo import needs_healing, record_heal
-from treepo_ray.job.config import CatpoConfig
-from treepo_ray.runtime.liveness import get, within
-from treepo_ray.runtime.registry import on_this_node
+from treepo_ray.healing.critique import CritiqueHealer
+from treepo_ray.runtime.liveness import get, on_this_node, within
 from treepo_ray.tree.tree import Tree
 
 
@@ -35,14 +33,16 @@ class HealRefused(ValueError):
 
 @ray.remote
 class HealerActor:
-    """Heals dead-wrong trees; `heal` calls run concurrently in threads, each mostly waiting on an engine."""
+    """Heals dead-wrong trees; `heal` calls run concurrently in threads (one router, which is thread-safe), each
+    mostly waiting on an engine."""
 
-    def __init__(self, pool, verifiers, model_path: str, cfg: HealingConfig, wait_s: float = 7200.0):
+    def __init__(self, router, verifiers, model_path: str, healing, wait_s: float):
+        """`healing`: HealingConfig with step_len and logprob_temperature filled in (make_healer); `wait_s`: the
+        deadline of one verification (runtime.deadlines.grow_s)."""
         from transformers import AutoTokenizer
 
-        self.pool, self.verifiers, self.cfg, self.wait_s = pool, verifiers, cfg, wait_s
+        self.router, self.verifiers, self.cfg, self.wait_s = router, verifiers, healing, wait_s
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._lock = threading.Lock()  # the pool copy's routing table is shared by the threads
         self._local = threading.local()
         self._calls = itertools.count()  # next() is atomic: threads draw distinct numbers
 
@@ -56,7 +56,7 @@ class HealerActor:
         """`engine.<method>(*args)` on the engine `key` is routed to; a request the engine refuses as bad input
         raises HealRefused."""
         try:
-            return self.pool.call_sync(key, method, *args)  # re-sent to another engine if this one dies
+            return self.router.call_sync(key, method, *args)  # re-sent to another engine if this one fails
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, ValueError):
                 raise HealRefused(str(err.cause)) from None
@@ -77,7 +77,7 @@ class HealerActor:
             return results
 
         def logprobs(prefix_ids, token_ids):
-            return self._call(key, "score", prefix_ids, token_ids, self.cfg.logprob_temperature or 1.0)
+            return self._call(key, "score", prefix_ids, token_ids, self.cfg.logprob_temperature)
 
         tokenizer = self._tokenizer()
 
@@ -93,40 +93,46 @@ class HealerActor:
         try:
             result = healer.heal(tree, seed)
         finally:
-            with self._lock:
-                self.pool.finish(key, cache_keys)  # nothing continues from the critique or the grafts
+            self.router.finish(key, cache_keys)  # nothing continues from the critique or the grafts
         return tree, result
 
 
-def make_healer(pool, verifiers, model_path: str, cfg: CatpoConfig, step_len: int, wait_s: float = 7200.0,
-                temperature: float = 1.0):
-    """The healer actor of a CATPO run; grafts are cut to the tree's step length and scored at the tree's sampling
-    temperature unless healing sets its own. Like the schedulers it lives on the driver's node (same failure
-    domain); a lost one is replaced (pipeline.py)."""
-    healing = cfg.healing if cfg.healing.step_len else dataclasses.replace(cfg.healing, step_len=step_len)
+def make_healer(router, verifiers, model_path: str, cfg):
+    """The healer actor of a run whose algorithm heals (`cfg`: the job's config); None when it does not. Grafts are
+    cut to the tree's step length and scored at the tree's sampling temperature unless healing sets its own. Like the
+    schedulers it lives on the driver's node (same failure domain); a lost one is replaced (supervisor.py)."""
+    settings = cfg.algo.spec.healing(cfg.algo)
+    if settings is None:
+        return None
+    healing = settings.healing
+    if not healing.step_len:
+        healing = dataclasses.replace(healing, step_len=cfg.sampler_config.step_len)
     if not healing.logprob_temperature:
-        healing = dataclasses.replace(healing, logprob_temperature=temperature)
-    return HealerActor.options(num_cpus=0, max_concurrency=cfg.heal_concurrency, scheduling_strategy=on_this_node(),
-                               max_restarts=0, max_task_retries=0).remote(pool, verifiers, model_path, healing, wait_s)
+        healing = dataclasses.replace(healing, logprob_temperature=cfg.rollout.temperature)
+    return HealerActor.options(num_cpus=0, max_concurrency=settings.heal_concurrency,
+                               scheduling_strategy=on_this_node(), max_restarts=0, max_task_retries=0).remote(
+        router, verifiers, model_path, healing, cfg.runtime.deadlines.grow_s)
 
 
-async def score_and_heal(tree: Tree, cfg: CatpoConfig, healer, seed: int, wait_s: float = 7200.0) -> Tree:
-    """CATPO phases 2 and 3 for one verified tree: score it; if dead-wrong, heal it and score it again.
+async def verified_phases(tree: Tree, algo, healer, seed: int, wait_s: float) -> Tree:
+    """The algorithm's phases for one verified tree (`algo`: the job's algo section): score it; if it needs
+    healing and a healer runs, heal it and score it again.
 
     A healing request an engine refuses as bad input (HealRefused, e.g. a critique prompt longer than the model's
-    context) is recorded in tree.meta["catpo"]["heal"]["error"] and counted per step (catpo/heal_errors); the tree
-    is then trained as sampled. Any other failure stops the run.
+    context) is recorded in the tree (CATPO: tree.meta["catpo"]["heal"]["error"], counted per step as
+    catpo/heal_errors); the tree is then trained as sampled. Any other failure stops the run.
     """
-    cfg.score(tree)
-    if healer is None or not cfg.heal or not needs_healing(tree):
+    spec = algo.spec
+    spec.score(tree, algo)
+    if healer is None or not spec.needs_healing(tree):
         return tree
     try:
         healed, result = await within(healer.heal.remote(tree, seed), wait_s, f"healing {tree.query_id}")
     except HealRefused as err:  # Ray re-raises the healer's HealRefused as a subclass of it
         message = f"healing tree {tree.query_id!r} failed: {getattr(err, 'cause', err)}"
-        print(f"CATPO: {message}; it is trained as sampled", flush=True)
-        record_heal(tree, None, error=message)
+        print(f"{spec.name}: {message}; it is trained as sampled", flush=True)
+        spec.record_heal(tree, None, error=message)
         return tree
-    record_heal(healed, result)
-    cfg.score(healed)
+    spec.record_heal(healed, result)
+    spec.score(healed, algo)
     return healed

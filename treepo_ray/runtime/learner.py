@@ -1,30 +1,39 @@
 """The learner group: learner ranks (learner/) as Ray actors, joined by torch.distributed (gloo on CPU, nccl on GPU),
-acting as one learner. It also holds the newest weights it published for the generators (how they travel:
-weights.py; rank 0 sends broadcasts from a concurrency group of its own, so a transfer overlaps training).
+acting as one learner; every call on it has a deadline (runtime.deadlines), and a call that fails because a rank was
+lost or stopped answering raises LearnerLost, which the trainer answers by rebuilding the group from the newest
+checkpoint (job/trainer.py; the rebuilding itself is the supervisor's: supervisor.py). How the weights it publishes
+reach the engines: weights.py (rank 0 sends broadcasts from a concurrency group of its own, so a transfer overlaps
+training).
 """
 
 from __future__ import annotations
 
+import os
 import socket
-
 import threading
 import weakref
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from treepo_ray.job.config import DeadlineConfig
+from treepo_ray import storage
+from treepo_ray.job.faults import LearnerLost, RunStopped
 from treepo_ray.runtime.engine import limit_threads, release_placement
-from treepo_ray.runtime.liveness import DeadlineExceeded, get, started
+from treepo_ray.runtime.liveness import DeadlineExceeded, actor_lost, brief, get, started
 from treepo_ray.runtime.weights import ObjectStoreWeights, WeightSync
 
 
-@ray.remote(concurrency_groups={"weights": 1})
+def _sees(_actor, location: str) -> bool:
+    return storage.exists(location)
+
+
+@ray.remote(concurrency_groups={"weights": 1, "health": 1})
 class LearnerActor:
     """One rank of the learner."""
 
-    def __init__(self, rank: int, world_size: int, torch_threads: int = 1):
+    def __init__(self, rank: int, world_size: int, torch_threads: int):
         limit_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
         self.learner = None
@@ -33,6 +42,11 @@ class LearnerActor:
         self._stores: dict[int, object] = {}  # port -> the rendezvous store of a transfer about to start
         self._lock = threading.Lock()
 
+    @ray.method(concurrency_group="health")
+    def alive(self) -> bool:
+        """The heartbeat's ping: answered beside a running step, so a rank is judged by whether it runs at all."""
+        return True
+
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0 picks the address and a free port of the process group."""
         with socket.socket() as s:
@@ -40,11 +54,10 @@ class LearnerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, model_path: str, cfg, master_addr: str, master_port: int) -> int:
+    def setup(self, model_path: str, cfg, master_addr: str, master_port: int) -> None:
         from treepo_ray.learner import Learner
 
         self.learner = Learner(model_path, cfg, self.rank, self.world_size, master_addr, master_port)
-        return self.learner.version
 
     def train_step(self, batch: list) -> dict:
         # Each rank trains on its own share of the trees (balanced by tokens); the Learner all-reduces gradients
@@ -118,33 +131,32 @@ class LearnerActor:
     def load_checkpoint(self, directory: str) -> dict:
         return self.learner.load_checkpoint(directory)
 
-    def version(self) -> int:
-        return self.learner.version
-
 
 class LearnerGroup:
-    """`world_size` learner ranks acting as one learner; every call goes to all ranks, rank 0's answer returned.
+    """runtime.learner_ranks learner ranks acting as one learner; every call goes to all ranks, rank 0's answer
+    returned, within its deadline.
 
     The ranks are placed as one placement group, one bundle per rank (its CPUs, its GPU, its custom resources),
     packed on as few nodes as possible: ranks that can share a node's NVLink do, and the group is placed whole or
     not at all (a pending group is one demand an autoscaler answers). `close()` gives the resources back."""
 
-    def __init__(self, model_path: str, cfg, world_size: int = 1, num_cpus: float = 1, num_gpus: float = 0,
-                 resources: dict | None = None, torch_threads: int = 1, weights: WeightSync | None = None,
-                 deadlines: DeadlineConfig | None = None):
-        bundle = {k: float(v) for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
-        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK") if bundle \
-            else None
+    def __init__(self, model_path: str, cfg, rt, weights: WeightSync):
+        """`cfg`: learner section; `rt`: runtime section (learner_* resources, torch_threads, deadlines)."""
+        asks = {k: float(v) for k, v in {"CPU": rt.learner_cpus, "GPU": rt.learner_gpus,
+                                         **rt.learner_resources}.items() if v}
+        world_size = rt.learner_ranks
+        self.placement = placement_group([dict(asks) for _ in range(world_size)], strategy="PACK") if asks else None
         """Bundle i holds rank i (None when the ranks ask for no resources at all)."""
         # Ray ends the actors of a dropped group, not its placement group: that goes with the group object.
         self._release = weakref.finalize(self, release_placement, self.placement)
-        self.deadlines = dl = deadlines or DeadlineConfig()
-        opts = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None)
+        self.deadlines = dl = rt.deadlines
+        self.weights = weights
+        """How published weights reach the engines (path, the engines' dtype)."""
+        opts = dict(num_cpus=rt.learner_cpus, num_gpus=rt.learner_gpus, resources=rt.learner_resources or None)
         self.ranks = [LearnerActor.options(**opts, scheduling_strategy=self._bundle(r)).remote(r, world_size,
-                                                                                              torch_threads)
+                                                                                              rt.torch_threads)
                       for r in range(world_size)]
         try:
-            asks = {k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}.items() if v}
             started([(f"learner rank {r}", rank, asks) for r, rank in enumerate(self.ranks)], dl.start_s)
             addr, port = get(self.ranks[0].rendezvous.remote(), dl.call_s, "learner rank 0 (rendezvous)")
             get([r.setup.remote(model_path, cfg, addr, port) for r in self.ranks], dl.start_s,
@@ -152,16 +164,15 @@ class LearnerGroup:
         except BaseException:
             self.close()  # pending ranks too: no demand left behind for an autoscaler to chase
             raise
-        self.weights = weights or WeightSync()
-        """How published weights reach the engines (path, the engines' dtype); default: object store, float32."""
-        self.published: tuple[int, object] = (0, None)
-        """The newest weights exported for the generators: (version, payload of weights.py); (0, None) before the
-        first."""
 
     def _bundle(self, rank: int):
         if self.placement is None:
             return None
         return PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+
+    def pings(self) -> dict:
+        """The heartbeat's pings of the ranks (supervisor.py), by name."""
+        return {f"learner rank {r}": rank.alive.remote for r, rank in enumerate(self.ranks)}
 
     def close(self) -> None:
         """Kill every rank and release the placement group (a rebuilt group needs its room)."""
@@ -169,39 +180,77 @@ class LearnerGroup:
             ray.kill(rank)
         self._release()
 
-    def publish(self, version: int) -> None:
-        """Export the current weights as `version` in the engines' dtype (the pool loads them when a batch needs
-        them). One assignment, so a reader in another thread sees the old or the new pair, never half of each."""
-        self.published = (version, self.weights.publish(self.ranks, version))
+    def _all(self, method: str, *args, timeout_s: float):
+        """`method(*args)` on every rank, rank 0's answer; LearnerLost when a rank is lost or stuck (`_lost`)."""
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        try:
+            return get(refs, timeout_s, f"learner {method}")[0]
+        except (DeadlineExceeded, RayActorError, RayTaskError) as err:
+            raise self._lost(err) from None
+
+    def _lost(self, err: BaseException) -> BaseException:
+        """What a failed call on the ranks means: LearnerLost (the ranks killed) when a rank died or stopped
+        answering, past the call's deadline or the heartbeat's (a rank that does not answer holds its peers in a
+        collective; a peer's death can also fail a rank's step with an error of its own); else the error itself (a
+        bad batch, a full disk)."""
+        if not isinstance(err, DeadlineExceeded) and not actor_lost(err):
+            try:
+                get([r.alive.remote() for r in self.ranks], self.deadlines.heartbeat_s, "learner ranks (ping)")
+                return err
+            except (DeadlineExceeded, RayActorError):
+                pass
+        self.close()
+        return LearnerLost(f"the learner was lost ({brief(err)}): its ranks are killed")
 
     def train_step(self, samples_ref) -> dict:
-        """Start one step on every rank (`samples_ref`: an ObjectRef of the whole batch, TrainTree or TrainSample
-        items); returns rank 0's ref."""
-        return [r.train_step.remote(samples_ref) for r in self.ranks][0]
+        """One step on every rank (`samples_ref`: an ObjectRef of the whole batch, TrainTree or TrainSample
+        items); rank 0's metrics."""
+        return self._all("train_step", samples_ref, timeout_s=self.deadlines.train_step_s)
+
+    def publish(self, version: int):
+        """Export the current weights as `version` in the engines' dtype, waited for; the payload the pool loads
+        (weights.py)."""
+        try:
+            return self.weights.publish(self.ranks, version, self.deadlines.train_step_s)
+        except (DeadlineExceeded, RayActorError, RayTaskError) as err:
+            raise self._lost(err) from None
 
     def export_weights(self):
         """ObjectRef of the full weights (rank 0 gathers them; every rank must take part)."""
         return [r.export_weights.remote() for r in self.ranks][0]
 
-    def kept_copy(self):
-        """The newest published weights as something the generator pool can load after this group is gone: an
-        object-store version as it is, a broadcast one (held by rank 0) exported whole. Waited for: exports run
-        asynchronously, and closing the group under one would lose it."""
-        _, weights = self.published
-        if isinstance(weights, ObjectStoreWeights):
-            ref = weights.packed
-        else:
-            weights = ref = self.export_weights()
+    def kept_copy(self, published):
+        """`published` (a payload of `publish`) as something the generator pool can load after this group is gone:
+        an object-store version as it is, a broadcast one (held by rank 0) exported whole, waited for."""
+        if isinstance(published, ObjectStoreWeights):
+            return published
+        ref = self.export_weights()
         done, _ = ray.wait([ref], timeout=self.deadlines.call_s, fetch_local=False)
         if not done:
             raise DeadlineExceeded(f"learner exporting weights: not done within {self.deadlines.call_s:g}s "
                                    "(runtime.deadlines.call_s)")
-        return weights
+        return ref
+
+    def check_storage(self, run_dir: str) -> None:
+        """Stop at once, saying why, when the run storage is not one place for every node: the driver writes a file
+        into the run directory and every rank (they write the checkpoints) must see it. A local path that is not a
+        shared mount fails here on a multi-node cluster, instead of a lost learner later restarting from the base
+        weights because its checkpoints are on another node's disk."""
+        probe = storage.join(run_dir, f".storage-probe-{os.getpid()}")
+        storage.write_text(probe, "")
+        try:
+            seen = get([r.__ray_call__.remote(_sees, probe) for r in self.ranks], self.deadlines.call_s,
+                       "checking the run storage")
+        finally:
+            storage.delete(probe)
+        blind = [f"learner rank {i}" for i, ok in enumerate(seen) if not ok]
+        if blind:
+            raise RunStopped(f"the run storage {run_dir} is not reachable from {', '.join(blind)}: every node must "
+                             "see trainer.storage_path at the same path (a shared mount: cluster/README.md) or use "
+                             "an s3:// or gs:// URI")
 
     def save_checkpoint(self, directory: str, trainer_state: dict) -> str:
-        refs = [r.save_checkpoint.remote(directory, trainer_state) for r in self.ranks]
-        return get(refs, self.deadlines.checkpoint_s, f"learner saving {directory}")[0]
+        return self._all("save_checkpoint", directory, trainer_state, timeout_s=self.deadlines.checkpoint_s)
 
     def load_checkpoint(self, directory: str) -> dict:
-        refs = [r.load_checkpoint.remote(directory) for r in self.ranks]
-        return get(refs, self.deadlines.checkpoint_s, f"learner loading {directory}")[0]
+        return self._all("load_checkpoint", directory, timeout_s=self.deadlines.checkpoint_s)

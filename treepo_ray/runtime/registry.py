@@ -1,46 +1,24 @@
 """The run's control plane: a small actor that imports nothing heavy (no torch), placed on the driver's node so that
-it fails only with the driver, and the helpers every actor module shares (placement, telling a lost actor from
-other errors, fault reports).
+it fails only with the driver.
 
-    RuntimeRegistry   the generator pool's current members (each scheduler's routing table catches up from it)
-                      and a journal of fault events, drained into each step's `fault/*` metrics
+    RuntimeRegistry   the generator pool's current members (every engine router catches up from it) and the journal
+                      of fault events, drained into each step's `fault/*` metrics
+    record            how an event is journaled, from any process: its reason printed where it happened, and the
+                      call waited for, so an event is in the journal before the work it belongs to returns (a drain
+                      after that work counts it: the counts do not depend on timing)
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from treepo_ray.job.faults import report
+from treepo_ray.runtime.liveness import get, within
 
-def on_this_node() -> NodeAffinitySchedulingStrategy:
-    """Scheduling strategy that places an actor on the caller's node (the driver's: same failure domain)."""
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def actor_lost(err: BaseException) -> bool:
-    """True when `err` says the called actor itself died. A task whose *argument* came from a dead actor fails
-    with RayTaskError(ActorDiedError), which is also a RayActorError but says nothing about the callee."""
-    return isinstance(err, RayActorError) and not isinstance(err, RayTaskError)
-
-
-def _ping(_actor) -> bool:
-    return True
-
-
-def ping(actor):
-    """ObjectRef that resolves once `actor` runs a trivial call (fails if it is dead); no method needed."""
-    return actor.__ray_call__.remote(_ping)
-
-
-def actor_id(actor) -> str:
-    return actor._actor_id.hex()
-
-
-# ---------------------------------------------------------------------------------------------- registry
+QUIET = ("resent_requests", "verifier_retries", "regrown_prompts")
+"""Events counted, not printed (their cause is printed once, as its own event)."""
 
 
 @ray.remote(num_cpus=0)
@@ -69,23 +47,23 @@ class RuntimeRegistry:
         return out
 
 
+def record(registry, kind: str, detail: str, timeout_s: float, count: int = 1) -> None:
+    """Journal a fault event (blocking; for the driver's threads and threaded actors)."""
+    if kind not in QUIET:
+        report(detail)
+    get(registry.record.remote(kind, detail, count), timeout_s, "the run's registry")
+
+
+async def record_async(registry, kind: str, detail: str, timeout_s: float, count: int = 1) -> None:
+    """`record`, awaited (async actors)."""
+    if kind not in QUIET:
+        report(detail)
+    await within(registry.record.remote(kind, detail, count), timeout_s, "the run's registry")
+
+
 def event_metrics(events: list[tuple[float, str, str, int]]) -> dict[str, float]:
     """`fault/<kind>` totals of drained journal events."""
     out: dict[str, float] = {}
     for _, kind, _, count in events:
         out[f"fault/{kind}"] = out.get(f"fault/{kind}", 0.0) + count
     return out
-
-
-def brief(err: BaseException) -> str:
-    """An error as one line: its type and the first line of its message (Ray's carry pages of context)."""
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def report(message: str) -> None:
-    """A fault's reason, on the console of the process that saw it (Ray forwards actors' stderr to the driver)."""
-    print(f"[treepo-ray fault] {message}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------- verification

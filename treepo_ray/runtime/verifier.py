@@ -16,7 +16,9 @@ import math
 import ray
 from ray.exceptions import ActorUnavailableError
 
-from treepo_ray.runtime.registry import on_this_node, report
+from treepo_ray.job.faults import RunStopped
+from treepo_ray.runtime.liveness import on_this_node
+from treepo_ray.runtime.registry import record_async
 from treepo_ray.tree import Tree
 
 
@@ -45,14 +47,12 @@ class VerifierPool:
         self.verifiers, self.front = list(verifiers), front
 
     @classmethod
-    def start(cls, num_verifiers: int, num_cpus: float, timeout_s: float, registry, faults,
-              reward_function=None) -> "VerifierPool":
-        """`num_verifiers` verifier actors (restarted in place when lost) and their front; `reward_function`: the
-        job's custom_reward_function section (None or unset = the built-in scorers)."""
-        verifiers = [VerifierActor.options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0).remote(
-            timeout_s, reward_function) for _ in range(num_verifiers)]
-        front = VerifierFront.options(scheduling_strategy=on_this_node()).remote(
-            verifiers, registry, faults.verifier_retries, faults.verifier_call_timeout_s)
+    def start(cls, rt, registry, reward_function) -> "VerifierPool":
+        """runtime.num_verifiers verifier actors (restarted in place when lost) and their front (`rt`: the runtime
+        section); `reward_function`: the job's custom_reward_function section (unset = the built-in scorers)."""
+        verifiers = [VerifierActor.options(num_cpus=rt.verifier_cpus, max_restarts=-1, max_task_retries=0).remote(
+            rt.verifier_timeout_s, reward_function) for _ in range(rt.num_verifiers)]
+        front = VerifierFront.options(scheduling_strategy=on_this_node()).remote(verifiers, registry, rt)
         return cls(verifiers, front)
 
     def score(self, items: list[tuple[str, str, str]]):
@@ -106,7 +106,7 @@ def verification_metrics(trees: list[Tree], max_failed_share: float) -> dict[str
     total = failed + sum(len(t.trajectories) for t in trees)
     share = failed / total if total else 0.0
     if share > max_failed_share:
-        raise RuntimeError(f"{failed} of {total} trajectories of this step could not be verified ({share:.0%} > "
+        raise RunStopped(f"{failed} of {total} trajectories of this step could not be verified ({share:.0%} > "
                            f"runtime.faults.max_verify_failed_share = {max_failed_share:.0%}); the reasons are in "
                            "the [treepo-ray fault] lines above")
     return {"verify/failed": float(failed), "verify/failed_share": share}
@@ -128,9 +128,10 @@ class VerifierFront:
     max_task_retries=0 because the retry here goes to the next verifier instead of waiting for the restart.
     """
 
-    def __init__(self, verifiers: list, registry, retries: int, call_timeout_s: float):
+    def __init__(self, verifiers: list, registry, rt):
         self.verifiers, self.registry = list(verifiers), registry
-        self.retries, self.call_timeout_s = retries, call_timeout_s
+        self.retries, self.call_timeout_s = rt.faults.verifier_retries, rt.faults.verifier_call_timeout_s
+        self.record_s = rt.deadlines.call_s
         self._free: asyncio.Queue | None = None  # made in the actor's event loop, on the first call
 
     async def score(self, items: list[tuple[str, str, str]]) -> list[float | None]:
@@ -154,29 +155,29 @@ class VerifierFront:
                 # Died under the call or restarting: Ray brings it back; try the next one without using up a retry
                 # (until the overall deadline), so that a restart of every verifier at once fails nothing.
                 why = f"verifier unavailable ({str(err).splitlines()[0] if str(err) else 'restarting'})"
-                self.registry.record.remote("verifier_retries", f"scoring {n} solutions: {why}; retrying")
+                await record_async(self.registry, "verifier_retries", f"scoring {n} solutions: {why}; retrying",
+                                   self.record_s)
                 if loop.time() < deadline:
                     await asyncio.sleep(0.1)
                     continue
             except Exception as err:  # noqa: BLE001 - a dead verifier or a scoring error: retry, then fail the items
                 why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             else:
-                return self._sanitized(scores, n)
+                return await self._sanitized(scores, n)
             finally:
                 self._free.put_nowait(actor)
             failures += 1
             if failures > self.retries:
                 break
-            self.registry.record.remote("verifier_retries", f"scoring {n} solutions: {why}; retrying")
+            await record_async(self.registry, "verifier_retries", f"scoring {n} solutions: {why}; retrying",
+                               self.record_s)
         msg = f"{n} solutions could not be verified after {failures} failed attempts ({why}); left out of the loss"
-        report(msg)
-        self.registry.record.remote("verifier_failures", msg, n)
+        await record_async(self.registry, "verifier_failures", msg, self.record_s, n)
         return [None] * n
 
-    def _sanitized(self, scores, n: int) -> list[float | None]:
+    async def _sanitized(self, scores, n: int) -> list[float | None]:
         out, reasons = sanitize_scores(scores, n)
         if reasons:
             msg = f"{len(reasons)} non-finite or malformed rewards left out: {'; '.join(reasons[:3])}"
-            report(msg)
-            self.registry.record.remote("nonfinite_rewards", msg, len(reasons))
+            await record_async(self.registry, "nonfinite_rewards", msg, self.record_s, len(reasons))
         return out

@@ -11,9 +11,10 @@
                    tensors it would deserialise, one copy per engine actor).
 
 Rank 0 keeps each version until the pool has moved past it, and sends from a concurrency group of its own, so a
-transfer runs while the learner trains the next step. The pool (pool.py) calls `deliver` to bring every live engine
-to a version, and an engine actor calls `load_into` when it joins; the pipeline logs each sync's path and bytes (`weights/*`)
-and seconds (`timing_s/update_weights`).
+transfer runs while the learner trains the next step. The learner group's `publish` returns a payload only once the
+export is done (within its deadline), so an engine never waits on weights that a stalled learner will not finish. The
+pool (pool.py) calls `deliver` to bring every live engine to a version, and an engine actor calls `load_into` when it
+joins; the loop logs each sync's path and bytes (`weights/*`) and seconds (`timing_s/update_weights`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-import ray
 import torch.distributed as dist
 from ray.exceptions import RayActorError
 
 from treepo_ray.engines.weights import Broadcast, PackedWeights, unpack
 from treepo_ray.runtime.engine import tensor_parallel_size
-from treepo_ray.runtime.registry import actor_lost, report
+from treepo_ray.job.faults import LearnerLost
+from treepo_ray.job.faults import report
+from treepo_ray.runtime.liveness import actor_lost, get
 
 
 def choose_path(cfg) -> str:
@@ -47,19 +49,19 @@ def choose_path(cfg) -> str:
 class WeightSync:
     """A run's way of moving weights: the path, the engines' dtype, and the broadcast's settings."""
 
-    path: str = "object_store"
+    path: str
     """'broadcast' or 'object_store'."""
-    dtype: str = "float32"
+    dtype: str
     """The dtype the engines keep their weights in; the learner exports in it."""
-    backend: str = "gloo"
+    backend: str
     """Broadcast backend: 'nccl' when the learner runs on a GPU, else 'gloo'."""
-    bucket_bytes: int = 512 << 20
-    timeout_s: float = 300.0
+    bucket_bytes: int
+    timeout_s: float
+    """A broadcast's own deadline (runtime.weights.timeout_s)."""
 
     @classmethod
-    def for_run(cls, cfg, engine) -> WeightSync:
-        """The run's settings; `engine` (an engine actor of the pool) says which dtype the engines run."""
-        dtype = ray.get(engine.weights_dtype.remote())
+    def for_run(cls, cfg, dtype: str) -> WeightSync:
+        """The run's settings; `dtype`: the one the engines run (EngineActor.describe)."""
         backend = "nccl" if cfg.runtime.learner_gpus > 0 else "gloo"
         w = cfg.runtime.weights
         return cls(choose_path(cfg), dtype, backend, w.bucket_mb << 20, w.timeout_s)
@@ -68,12 +70,13 @@ class WeightSync:
         how = f"broadcast from learner rank 0 ({self.backend})" if self.path == "broadcast" else "the object store"
         return f"weights reach the engines in {self.dtype} by {how}"
 
-    def publish(self, ranks: list, version: int):
-        """Start exporting `version` on every learner rank; returns the payload the pool loads (export still
-        running: the payload waits for it when first used)."""
+    def publish(self, ranks: list, version: int, timeout_s: float):
+        """Export `version` on every learner rank and wait for it (`timeout_s`); returns the payload the pool
+        loads."""
         keep = self.path == "broadcast"
         refs = [r.publish_weights.options(num_returns=2).remote(version, self.dtype, keep) for r in ranks]
-        nbytes, packed = refs[0]
+        nbytes = get([nb for nb, _ in refs], timeout_s, f"learner exporting weights v{version}")[0]
+        packed = refs[0][1]
         if keep:
             return BroadcastWeights(ranks[0], version, packed, nbytes, self.backend, self.bucket_bytes, self.timeout_s)
         return ObjectStoreWeights(packed, nbytes)
@@ -84,11 +87,11 @@ class ObjectStoreWeights:
     """One object-store copy of a version (an ObjectRef of PackedWeights with a numpy buffer)."""
 
     packed: object
-    nbytes_ref: object
+    nbytes: int
     path = "object_store"
 
     def metrics(self) -> dict[str, float]:
-        return {"weights/bytes": float(ray.get(self.nbytes_ref)), "weights/broadcast": 0.0}
+        return {"weights/bytes": float(self.nbytes), "weights/broadcast": 0.0}
 
     async def load_into(self, engine, version: int) -> None:
         """On an engine actor: fetch the buffer to this node (once per node) and load views of it."""
@@ -104,39 +107,42 @@ class BroadcastWeights:
     version: int
     manifest: object
     """ObjectRef of the PackedWeights' specs (no buffer)."""
-    nbytes_ref: object
+    nbytes: int
     backend: str
     bucket_bytes: int
     timeout_s: float
     path = "broadcast"
 
     def metrics(self) -> dict[str, float]:
-        return {"weights/bytes": float(ray.get(self.nbytes_ref)), "weights/broadcast": 1.0}
+        return {"weights/bytes": float(self.nbytes), "weights/broadcast": 1.0}
 
     def deliver(self, engines: dict, version: int) -> list[str]:
         """On the driver: send the weights to every engine of `engines` (id -> actor) in one group; returns the ids
-        of engines that died meanwhile (the others got the weights). A lost learner is raised."""
-        manifest = ray.get(self.manifest)
+        of engines that died meanwhile (the others got the weights). A lost learner is raised. Every wait is bounded
+        by the broadcast's own deadline (its process group and rendezvous time out by then) plus that again."""
+        wait_s = 2 * self.timeout_s
+        manifest = get(self.manifest, wait_s, f"learner rank 0 (manifest of weights v{version})")
         live, lost = dict(engines), []
         while live:
             world = len(live) + 1
-            address, port = ray.get(self.sender.open_weights_transfer.remote(version, world, self.timeout_s))
+            address, port = get(self.sender.open_weights_transfer.remote(version, world, self.timeout_s), wait_s,
+                                "learner rank 0 (opening a weight transfer)")
             send = self.sender.send_weights.remote(version, port, world, self.backend, self.bucket_bytes,
                                                    self.timeout_s)
             calls = {eid: actor.load_weights.remote(Slot(self, manifest, address, port, rank, world), version)
                      for rank, (eid, actor) in enumerate(live.items(), start=1)}
             dead, errors = [], []
             try:  # the sender first: a lost learner is raised at once (its receivers time out on their own)
-                ray.get(send)
+                get(send, wait_s, f"learner rank 0 (broadcasting weights v{version})")
             except RayActorError as err:
                 if actor_lost(err):
-                    raise
+                    raise LearnerLost(f"learner rank 0 lost while broadcasting weights v{version}") from None
                 errors.append(err)
             except Exception as err:  # noqa: BLE001 - a receiver's death fails the whole group's transfer
                 errors.append(err)
             for eid, ref in calls.items():
                 try:
-                    ray.get(ref)
+                    get(ref, wait_s, f"engine {eid[:8]} (receiving weights v{version})")
                 except RayActorError as err:
                     if actor_lost(err):
                         dead.append(eid)
@@ -190,7 +196,7 @@ def receive_into(engine, manifest: PackedWeights, address: str, port: int, rank:
     try:
         pairs = group.receive(manifest, weights.bucket_bytes)
         try:
-            engine.load_weights(pairs if getattr(engine, "loads_weight_stream", False) else dict(pairs), version)
+            engine.load_weights(pairs if engine.loads_weight_stream else dict(pairs), version)
         except BaseException:
             try:  # let the sender and the other receivers finish; the engine refuses to run half-loaded weights
                 group.drain()
@@ -202,6 +208,6 @@ def receive_into(engine, manifest: PackedWeights, address: str, port: int, rank:
 
 
 def sync_metrics(weights) -> dict[str, float]:
-    """A weight sync's figures besides its seconds (timing_s/update_weights): bytes sent to each engine (0 when the engines
-    were up to date) and whether by broadcast (1) or the object store (0)."""
+    """A weight sync's figures besides its seconds (timing_s/update_weights): bytes sent to each engine (0 when the
+    engines were up to date) and whether by broadcast (1) or the object store (0)."""
     return weights.metrics() if weights is not None else {"weights/bytes": 0.0}

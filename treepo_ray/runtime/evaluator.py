@@ -1,0 +1,86 @@
+"""The evaluator: held-out accuracy of the weights the engines hold now, the run's one way to evaluate (before and
+after training, every trainer.eval_every steps, and `treepo-ray compare`'s kept weights).
+
+Each problem's answers are one request of trainer.eval_samples children (one at temperature 0), at most
+trainer.eval_max_new_tokens long (0: the sampler's response limit), seeded from trainer.seed and the problem's index
+(data/sampling.py: request_seed): two evaluations of the same weights agree, two of different weights differ only by
+the weights. The requests go through an engine router (router.py: spread over the live engines, re-sent if one
+fails), the answers through the verifiers; a failed verification is left out, not scored as wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from treepo_ray.data.prompts import Prompt
+from treepo_ray.data.sampling import request_seed
+from treepo_ray.engines.base import SamplingParams, SegmentRequest
+from treepo_ray.engines.decode import safe_decode
+from treepo_ray.runtime.liveness import get
+
+
+def validation_metrics(sources: list[str], rewards: np.ndarray, correct_threshold: float, k: int) -> dict:
+    """verl's validation figures per data source, for `k` samples per problem: val-core/<source>/acc/mean@k (the
+    mean correctness of all samples, reward >= correct_threshold) and val-aux/<source>/reward/mean@k."""
+    out = {}
+    for source in sorted(set(sources)):
+        r = rewards[[s == source for s in sources]]
+        out[f"val-core/{source}/acc/mean@{k}"] = float((r >= correct_threshold).mean())
+        out[f"val-aux/{source}/reward/mean@{k}"] = float(r.mean())
+    return out
+
+
+class Evaluator:
+    """Evaluates `problems` on a supervisor's engines and verifiers (module docstring)."""
+
+    def __init__(self, cfg, supervisor, tokenizer, problems: list[Prompt]):
+        tr = cfg.trainer
+        self.cfg, self.supervisor, self.tokenizer, self.problems = cfg, supervisor, tokenizer, problems
+        self.max_new_tokens = tr.eval_max_new_tokens or cfg.sampler_config.response_limit()
+        self.samples = 1 if tr.eval_temperature == 0 else tr.eval_samples
+        self.method = (f"pass@1, mean of {tr.eval_samples} samples per problem at temperature {tr.eval_temperature}"
+                       if tr.eval_temperature > 0 else "greedy decoding, one answer per problem")
+        """How accuracy is measured, in words (the summary's eval_method)."""
+
+    def evaluate(self) -> dict:
+        """eval/* and val-core/* figures of the weights the engines hold now ({} without problems)."""
+        if not self.problems:
+            return {}
+        t0 = time.perf_counter()
+        cfg, sup = self.cfg, self.supervisor
+        version = sup.pool.weights_version
+        params = lambda i: SamplingParams(temperature=cfg.trainer.eval_temperature,  # noqa: E731
+                                          seed=request_seed(cfg.trainer.seed, i))
+        reqs = [SegmentRequest(f"eval-v{version}/{i}", list(p.prompt_ids), self.max_new_tokens, self.samples,
+                               params(i)) for i, p in enumerate(self.problems)]
+        results = asyncio.run(self._generate(reqs))
+        answers = [(p, c) for p, res in zip(self.problems, results) for c in res.children]
+        items = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True), p.ground_truth,
+                  p.extra_info) for p, c in answers]
+        scored = get(sup.verifiers.score(items), cfg.runtime.deadlines.grow_s, "verifying the evaluation")
+        verified = [(p.data_source, r) for (p, _), r in zip(answers, scored) if r is not None]
+        sources = [src for src, _ in verified]  # a failed verification is left out, not scored as wrong
+        rewards = np.array([r for _, r in verified], dtype=np.float64)
+        threshold = cfg.algo.correct_threshold
+        return {"eval/accuracy": float((rewards >= threshold).mean()) if rewards.size else 0.0,
+                "eval/reward": float(rewards.mean()) if rewards.size else 0.0,
+                "eval/response_len": float(np.mean([len(c.token_ids) for _, c in answers])),
+                "eval/verify_failed": float(len(scored) - rewards.size),
+                "eval/problems": float(len(self.problems)), "eval/version": float(version),
+                **validation_metrics(sources, rewards, threshold, self.samples),
+                "timing_s/testing": time.perf_counter() - t0}
+
+    async def _generate(self, requests: list[SegmentRequest]) -> list:
+        """Every request through the router (each its own route, so they spread over the engines); the engines'
+        caches of the answers are freed as they come back."""
+        router = self.supervisor.router
+
+        async def one(req: SegmentRequest):
+            (result,) = await router.generate(req.request_id, [req])
+            router.finish(req.request_id, [c.cache_key for c in result.children if c.cache_key])
+            return result
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
