@@ -1,8 +1,9 @@
 """The training job's configuration: the layers' own config dataclasses, composed, plus what the job itself decides
-(algorithm, resources, fault handling, staleness, steps, checkpoints).
+(resources, fault handling, deadlines, staleness, steps, checkpoints).
 
-Defaults of each layer live with that layer (tree growers, learner, loss, datasets, healing); this file holds the
-rest. YAML files under jobs/configs/ set any subset; `key.sub=value` arguments override them (treepo_ray/config.py).
+Defaults of each layer live with that layer (tree growers, the algorithms and their sections: algo/algorithms.py,
+learner, loss, datasets); this file holds the rest. YAML files under jobs/configs/ set any subset; `key.sub=value`
+arguments override them (treepo_ray/config.py).
 """
 
 from __future__ import annotations
