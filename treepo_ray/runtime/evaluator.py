@@ -4,7 +4,7 @@ after training, every trainer.eval_every steps, and `treepo-ray compare`'s kept 
 Each problem's answers are one request of trainer.eval_samples children (one at temperature 0), at most
 trainer.eval_max_new_tokens long (0: the sampler's response limit), seeded from trainer.seed and the problem's index
 (data/sampling.py: request_seed): two evaluations of the same weights agree, two of different weights differ only by
-the weights. The requests go through an engine router (router.py: spread over the live engines, re-sent if one
+the weights. The requests go through an engine router (router.py: a shard per live engine, re-sent if its engine
 fails), the answers through the verifiers; a failed verification is left out, not scored as wrong.
 """
 
@@ -74,13 +74,17 @@ class Evaluator:
                 "timing_s/testing": time.perf_counter() - t0}
 
     async def _generate(self, requests: list[SegmentRequest]) -> list:
-        """Every request through the router (each its own route, so they spread over the engines); the engines'
-        caches of the answers are freed as they come back."""
-        router = self.supervisor.router
+        """The requests through the router in one shard per engine (each shard a route of its own, so the shards
+        spread over the engines, and each engine admits its shard at once); the engines' caches of the answers are
+        freed as they come back."""
+        router, shards = self.supervisor.router, max(1, self.supervisor.pool.size)
 
-        async def one(req: SegmentRequest):
-            (result,) = await router.generate(req.request_id, [req])
-            router.finish(req.request_id, [c.cache_key for c in result.children if c.cache_key])
-            return result
+        async def shard(k: int) -> list:
+            route = f"{requests[k].request_id}+"
+            results = await router.generate(route, requests[k::shards])
+            router.finish(route, [c.cache_key for r in results for c in r.children if c.cache_key])
+            return results
 
-        return list(await asyncio.gather(*(one(r) for r in requests)))
+        done = await asyncio.gather(*(shard(k) for k in range(min(shards, len(requests)))))
+        by_id = {r.request_id: r for results in done for r in results}
+        return [by_id[r.request_id] for r in requests]
