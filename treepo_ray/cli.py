@@ -12,7 +12,7 @@ COMMANDS = {
     "train": ("treepo_ray.runtime.train", "RL training job (default: local Ray, CPU, tiny model, TreePO)"),
     "eval": ("treepo_ray.job.evaluate", "Pass@1 / Major@k / pass@k of a model on a dataset (the train's config keys)"),
     "bench": ("treepo_ray.benchmarks.engine", "tree vs sequential sampling on one engine; `bench NAME ...` runs "
-                                              "another benchmark (stream, learner, chaos, overlap, catpo)"),
+                                              "another benchmark (stream, learner, chaos, overlap, catpo, verifier)"),
     "pretrain": ("treepo_ray.data.pretrain", "build and pretrain the tiny base model on the synthetic task"),
     "viz": ("treepo_ray.job.viz", "render a run's saved trees as a self-contained HTML page"),
     "compare": ("treepo_ray.benchmarks.compare", "algorithms side by side: held-out accuracy against wall time and "
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "overlap": "treepo_ray.benchmarks.overlap",
     "catpo": "treepo_ray.benchmarks.catpo",
     "learner": "treepo_ray.benchmarks.learner",
+    "verifier": "treepo_ray.benchmarks.verifier",
 }
 
 

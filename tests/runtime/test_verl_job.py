@@ -95,21 +95,25 @@ def test_correct_answers_score_1_by_every_route(verl_job, ray_local):
     cfg = load_config(DEFAULT_CONFIG, keys)
     right = [("openai/gsm8k", "48 / 2 = 24 and 48 + 24 = 72.\n#### 72", "72", {"index": 0}),
              ("lighteval/MATH", r"The sum is $\boxed{\dfrac{3}{4}}$.", r"\frac{3}{4}", {"index": 0}),
-             ("lighteval/MATH", r"So $x = \boxed{5.0}$", "5", {"index": 1})]
-    wrong = [("openai/gsm8k", "#### 71", "72", {}), ("lighteval/MATH", r"\boxed{4}", "5", {})]
-    # 1. the built-in scorers, as verl's default_compute_score is called
-    assert [default_compute_score(*item)["score"] for item in right + wrong] == [1.0, 1.0, 1.0, 0.0, 0.0]
+             ("lighteval/MATH", r"So $x = \boxed{5.0}$", "5", {"index": 1}),
+             ("lighteval/MATH", r"The area is $\boxed{14}$.", "E", {"options": ["(A) 6", "(B) 8", "(C) 10", "(D) 12",
+                                                                                    "(E) 14"]})]
+    wrong = [("openai/gsm8k", "#### 71", "72", {}), ("lighteval/MATH", r"\boxed{4}", "5", {}),
+             ("lighteval/MATH", r"\boxed{12}", "E", {"options": {"D": "12", "E": "14"}})]
+    scores = [1.0] * len(right) + [0.0] * len(wrong)
+    # 1. the built-in scorers, as verl's default_compute_score is called (a multiple-choice row's options in extra_info)
+    assert [default_compute_score(*item)["score"] for item in right + wrong] == scores
     # 2. the custom function in bounded worker processes (the eval command's scorer)
     with BatchScorer(timeout_s=cfg.runtime.verifier_timeout_s, reward_function=cfg.custom_reward_function) as s:
-        assert s.score_batch(right + wrong) == [1.0, 1.0, 1.0, 0.0, 0.0]
+        assert s.score_batch(right + wrong) == scores
         records = [Prompt(f"p{i}", (1,), gt, source, extra_info=extra)
                    for i, (source, _, gt, extra) in enumerate(right)]
         scored = score_answers(records, [[text] for _, text, _, _ in right], s)
-        assert [p["correct"] for p in scored] == [[1.0], [1.0], [1.0]]
+        assert [p["correct"] for p in scored] == [[1.0]] * len(right)
     # 3. the training job's verifier actors on Ray (what the schedulers and the held-out evaluation call)
     pool = VerifierPool.start(cfg.runtime, RuntimeRegistry.remote(), cfg.custom_reward_function)
     try:
-        assert ray.get(pool.score(right + wrong)) == [1.0, 1.0, 1.0, 0.0, 0.0]
+        assert ray.get(pool.score(right + wrong)) == scores
     finally:
         for actor in pool.actors():
             ray.kill(actor)

@@ -4,7 +4,8 @@ Run as `python -m treepo_ray.rewards._worker MEMORY_MB KIND [ARGS]` (rewards/wor
 own address space, so a pathological item ends in MemoryError instead of swapping; a hang is ended by the parent,
 which kills this process at the item's deadline. Two kinds:
 
-- `math`: {"pred", "gold"} -> {"ok"}: math-verify's symbolic equivalence. Model output is parsed, never executed.
+- `math`: {"pred", "gold"} -> {"ok"}: math-verify's symbolic equivalence with the sympy rules of rewards/forms.py.
+  Model output is parsed, never executed.
 - `function PATH NAME KWARGS_JSON`: the user's reward function NAME from the file PATH (verl's
   `custom_reward_function`), called as NAME(data_source=, solution_str=, ground_truth=, extra_info=, **KWARGS) for
   {"data_source", "solution_str", "ground_truth", "extra_info"} -> {"score", "acc"?, "pred"?} or {"error"}.
@@ -24,27 +25,17 @@ import sys
 import traceback
 from pathlib import Path
 
-
-def symbolic_equal(pred: str, gold: str) -> bool:
-    """math-verify's equivalence of two answer strings (each read as the content of a `\\boxed{}`)."""
-    from math_verify import parse, verify
-
-    # Timeouts off: math-verify's own use signal.alarm, which C-level sympy loops ignore; the parent kills us instead.
-    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
-    pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+from treepo_ray.rewards.forms import equal
 
 
 def math_handler(args: list[str]):
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
-    symbolic_equal("1", "1")  # import sympy and the parsers before announcing readiness
+    equal("1", "1")  # import sympy and the parsers before announcing readiness
 
     def handle(item: dict) -> dict:
         try:
-            return {"ok": symbolic_equal(item["pred"], item["gold"])}
+            return {"ok": equal(item["pred"], item["gold"])}
         except (Exception, MemoryError, RecursionError):
             return {"ok": False}
 
@@ -104,7 +95,7 @@ def function_handler(args: list[str]):
     path, name, kwargs = args[0], args[1], json.loads(args[2])
     fn = load_function(path, name)
     if _uses_builtin_scorers(fn):  # it may call default_compute_score: import math-verify now, not within the
-        symbolic_equal("1", "1")   # first item's deadline
+        equal("1", "1")            # first item's deadline
     def handle(item: dict) -> dict:
         try:
             return normalized(fn(data_source=item["data_source"], solution_str=item["solution_str"],

@@ -1,9 +1,12 @@
 """Math answer verification: the last `\\boxed{}` of a solution against a ground truth, bounded in time and memory.
 
-Comparison order: equal normal forms (`boxed.normalize_answer`) are correct at once, without a worker; otherwise
-math-verify decides symbolic equivalence (fractions, decimals, percentages, intervals, sets, LaTeX forms) in a
-bounded worker process (rewards/workers.py), so a pathological answer (a nesting the parser backtracks on, a tower
-of exponents sympy tries to expand) is scored wrong within the timeout and the next items go on.
+Comparison order: equal normal forms (`boxed.normalize_answer`) are correct at once, without a worker; then the
+string rules of rewards/forms.py (degrees, the empty set, multiple-choice letters and options, negated statements)
+decide or rewrite the pair; otherwise math-verify decides symbolic equivalence (fractions, decimals, percentages,
+intervals, sets, LaTeX forms), with forms.py's sympy rules beside it (the imaginary unit, inequalities against
+intervals, false equations), in a bounded worker process (rewards/workers.py), so a pathological answer (a nesting
+the parser backtracks on, a tower of exponents sympy tries to expand) is scored wrong within the timeout and the
+next items go on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from treepo_ray.rewards.boxed import last_boxed, normalize_answer
+from treepo_ray.rewards.forms import prepare
 from treepo_ray.rewards.workers import IN_SCORING_WORKER, WorkerPool
 
 
@@ -55,9 +59,11 @@ def _gold_of(ground_truth, cfg: MathVerifyConfig) -> str:
     return boxed if boxed is not None else gold.strip()
 
 
-def _decided_without_worker(text: str, ground_truth, cfg: MathVerifyConfig) -> tuple[dict | None, str, str]:
+def _decided_without_worker(text: str, ground_truth, cfg: MathVerifyConfig,
+                            options: dict[str, str] | None = None) -> tuple[dict | None, str, str]:
     """(result, pred, gold): the result when no symbolic comparison is needed (no box, over the length caps, equal
-    normal forms), else None with the two answers math-verify must compare."""
+    normal forms, a string rule of forms.py), else None with the two answers the worker must compare. `options`:
+    a multiple-choice row's options by letter."""
     gold = _gold_of(ground_truth, cfg)
     pred = _answer_of(text, cfg)
     if pred is None:
@@ -66,7 +72,10 @@ def _decided_without_worker(text: str, ground_truth, cfg: MathVerifyConfig) -> t
         return _result(cfg, False, pred[: cfg.max_answer_chars]), pred, gold
     if normalize_answer(pred) == normalize_answer(gold):
         return _result(cfg, True, pred), pred, gold
-    return None, pred, gold
+    verdict, rewritten, target = prepare(pred, gold, options)
+    if verdict is not None:
+        return _result(cfg, verdict, pred), pred, gold
+    return None, rewritten, target
 
 
 class MathVerifier:
@@ -96,21 +105,24 @@ class MathVerifier:
     def close(self) -> None:
         self._pool.close()
 
-    def score(self, solution: str, ground_truth) -> dict:
+    def score(self, solution: str, ground_truth, options: dict[str, str] | None = None) -> dict:
         """{"score", "acc", "pred"} of one solution."""
-        return self.score_batch([solution], [ground_truth])[0]
+        return self.score_batch([solution], [ground_truth], [options])[0]
 
-    def score_batch(self, solutions: list[str], ground_truths: list) -> list[dict]:
-        """{"score", "acc", "pred"} of each solution, in order."""
+    def score_batch(self, solutions: list[str], ground_truths: list,
+                    options: list[dict[str, str] | None] | None = None) -> list[dict]:
+        """{"score", "acc", "pred"} of each solution, in order; `options`: each row's multiple-choice options by
+        letter (forms.options_of), or None."""
         if len(solutions) != len(ground_truths):
             raise ValueError(f"{len(solutions)} solutions but {len(ground_truths)} ground truths")
         cfg = self.cfg
+        options = options or [None] * len(solutions)
         results: list[dict | None] = [None] * len(solutions)
         pending: deque[tuple[int, str, str]] = deque()
-        for i, (text, gt) in enumerate(zip(solutions, ground_truths)):
+        for i, (text, gt, opts) in enumerate(zip(solutions, ground_truths, options)):
             if not isinstance(text, str):
                 raise ValueError(f"solution {i} must be a string, got {type(text).__name__}")
-            results[i], pred, gold = _decided_without_worker(text, gt, cfg)
+            results[i], pred, gold = _decided_without_worker(text, gt, cfg, opts)
             if results[i] is None:
                 pending.append((i, pred, gold))
         try:
@@ -118,8 +130,8 @@ class MathVerifier:
                                      cfg.timeout_s)
         except RuntimeError as err:
             raise RuntimeError(f"MathVerifier: {err}") from None
-        for i, pred, _ in pending:  # an item that overran its deadline (None) is wrong
-            results[i] = _result(cfg, bool((answers.get(i) or {}).get("ok")), pred)
+        for i, _, _ in pending:  # an item that overran its deadline (None) is wrong
+            results[i] = _result(cfg, bool((answers.get(i) or {}).get("ok")), _answer_of(solutions[i], cfg))
         return results  # type: ignore[return-value]
 
 
@@ -142,22 +154,25 @@ def _shared_verifier(cfg: MathVerifyConfig) -> MathVerifier:
     return _shared[key]
 
 
-def compute_score(solution_str: str, ground_truth, cfg: MathVerifyConfig | None = None) -> dict:
-    """{"score", "acc", "pred"} of one solution: its last boxed answer against `ground_truth`.
+def compute_score(solution_str: str, ground_truth, cfg: MathVerifyConfig | None = None,
+                  options: dict[str, str] | None = None) -> dict:
+    """{"score", "acc", "pred"} of one solution: its last boxed answer against `ground_truth` (`options`: a
+    multiple-choice row's options by letter).
 
     Runs on a shared one-worker verifier, so one call costs one comparison, not a process start; inside a scoring
     worker (a custom reward function calling default_compute_score), which is already bounded, in this process.
     """
     cfg = cfg or MathVerifyConfig()
     if os.environ.get(IN_SCORING_WORKER) == "1":
-        from treepo_ray.rewards._worker import symbolic_equal
+        from treepo_ray.rewards.forms import equal
 
-        result, pred, gold = _decided_without_worker(solution_str, ground_truth, cfg)
+        result, pred, gold = _decided_without_worker(solution_str, ground_truth, cfg, options)
         if result is not None:
             return result
+        answer = _answer_of(solution_str, cfg)
         try:
-            return _result(cfg, symbolic_equal(pred, gold), pred)
+            return _result(cfg, equal(pred, gold), answer)
         except (Exception, RecursionError):
-            return _result(cfg, False, pred)
-    result = _shared_verifier(cfg).score(solution_str, ground_truth)
+            return _result(cfg, False, answer)
+    result = _shared_verifier(cfg).score(solution_str, ground_truth, options)
     return _result(cfg, result["acc"] == 1.0, result["pred"])

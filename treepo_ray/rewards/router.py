@@ -7,7 +7,8 @@
 
 With `custom_reward_function.path` set, the user's function scores every row instead (rewards/custom.py). Built-in
 scores share one scale: `correct_score` for a right answer, `wrong_score` otherwise. A ground truth may be a list of
-acceptable answers (any one matching is right).
+acceptable answers (any one matching is right). A boxed-math row whose ground truth is a letter A-E is multiple choice:
+`extra_info["options"]` (a dict by letter, or a list in letter order) lets the option's text count as the letter.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import treepo_ray.rewards.gsm8k as gsm8k
 import treepo_ray.rewards.synthetic as synthetic
 from treepo_ray.rewards.custom import FunctionScorer, RewardFunctionConfig
+from treepo_ray.rewards.forms import options_of
 from treepo_ray.rewards.math import MathVerifier, MathVerifyConfig, compute_score
 
 EXACT_SOURCES = {**{source: synthetic.score for source in synthetic.DATA_SOURCES}, "openai/gsm8k": gsm8k.score}
@@ -69,21 +71,24 @@ def _best(results: list[dict]) -> dict:
     return next((r for r in results if r["acc"] == 1.0), results[0])
 
 
-def score(data_source: str, solution: str, ground_truth, cfg: MathVerifyConfig | None = None) -> dict:
+def score(data_source: str, solution: str, ground_truth, cfg: MathVerifyConfig | None = None,
+          extra_info: dict | None = None) -> dict:
     """{"score", "acc", "pred"} of one solution, judged by the built-in scorer of its data source."""
     cfg = cfg or MathVerifyConfig()
     check_row(data_source, ground_truth)
     exact = EXACT_SOURCES.get(data_source)
     if exact is not None:
         return _rescale(_best([exact(solution, gt) for gt in _answers(ground_truth)]), cfg)
-    return _best([compute_score(solution, gt, cfg) for gt in _answers(ground_truth)])
+    options = options_of(extra_info) or None
+    return _best([compute_score(solution, gt, cfg, options) for gt in _answers(ground_truth)])
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> dict:
     """verl's `default_compute_score` for treepo-ray's built-in scorers: {"score", "acc", "pred"}, score 1.0 for a
     right answer and 0.0 otherwise. Raises ValueError for a data source without a built-in scorer. A custom reward
-    function can call it for the sources it does not handle itself; `extra_info` is accepted and not needed."""
-    return score(data_source, solution_str, ground_truth)
+    function can call it for the sources it does not handle itself; `extra_info` gives a multiple-choice row's
+    options."""
+    return score(data_source, solution_str, ground_truth, extra_info=extra_info)
 
 
 class BatchScorer:
@@ -111,20 +116,22 @@ class BatchScorer:
         if self.reward_function is not None:
             return self._custom(items)
         out: list[dict | None] = [None] * len(items)
-        math_jobs: list[tuple[int, str, object]] = []  # (item, solution, one acceptable answer)
-        for i, (source, solution, gt, *_) in enumerate(items):
+        math_jobs: list[tuple[int, str, object, dict | None]] = []  # (item, solution, one acceptable answer, options)
+        for i, (source, solution, gt, *extra) in enumerate(items):
             check_row(source, gt)
             exact = EXACT_SOURCES.get(source)
             if exact is not None:
                 out[i] = _rescale(_best([exact(solution, g) for g in _answers(gt)]), self.cfg)
             else:
-                math_jobs += [(i, solution, g) for g in _answers(gt)]
+                options = options_of(extra[0] if extra else None) or None
+                math_jobs += [(i, solution, g, options) for g in _answers(gt)]
         if math_jobs:
             if self._math is None:
                 self._math = MathVerifier(self.cfg)
-            results = self._math.score_batch([s for _, s, _ in math_jobs], [g for _, _, g in math_jobs])
+            results = self._math.score_batch([job[1] for job in math_jobs], [job[2] for job in math_jobs],
+                                             [job[3] for job in math_jobs])
             per_item: dict[int, list[dict]] = {}
-            for (i, _, _), r in zip(math_jobs, results):
+            for (i, *_), r in zip(math_jobs, results):
                 per_item.setdefault(i, []).append(r)
             for i, rs in per_item.items():
                 out[i] = _best(rs)
