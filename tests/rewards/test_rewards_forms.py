@@ -102,6 +102,7 @@ def test_multiple_choice_rows_through_the_reward_entry_points():
                                    ("math", r"\boxed{(B)}", "B")]) == [1.0, 1.0, 0.0, 0.0, 1.0]
 
 
+@pytest.mark.slow
 def test_labelled_pairs_judged_as_a_grader_would(verifier):
     rows = load_pairs(PAIRS)
     assert len(rows) >= 300

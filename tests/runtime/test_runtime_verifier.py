@@ -1,7 +1,7 @@
-"""Verification on Ray (runtime/verifier.py): a verifier's answer becomes finite rewards or None (failed), the front
-retries a lost, hung or stopped (alive, answering nothing) verifier, then fails the call's solutions (real local Ray,
-real verifiers); its time limit counts from the start of scoring; failed trajectories are left out of the tree and
-counted per step."""
+"""Verification on Ray (runtime/verifier.py): a verifier's answer becomes finite rewards or Unverified (no reward, with
+its cause), the front retries a lost, hung or stopped (alive, answering nothing) verifier, then fails the call's
+solutions (real local Ray, real verifiers); its time limit counts from the start of scoring; unverified trajectories
+are left out of the tree and counted per step and cause."""
 
 import math
 import os
@@ -15,23 +15,30 @@ from treepo_ray.data.synthetic import DATA_SOURCE
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
 from treepo_ray.runtime.registry import RuntimeRegistry
 from treepo_ray.runtime.verifier import (
+    Unverified,
     VerifierFront,
     VerifierPool,
     leave_out_unverified,
     sanitize_scores,
     verification_metrics,
+    verified,
 )
 from treepo_ray.tree import Tree
 
 
+def causes(rewards: list) -> list:
+    """Each reward, or the cause of its absence."""
+    return [r if verified(r) else r.cause for r in rewards]
+
+
 def test_sanitize_scores_turns_nan_inf_and_garbage_into_failures():
-    out, reasons = sanitize_scores([1.0, math.nan, -math.inf, "x", 0.5], 5)
-    assert out == [1.0, None, None, None, 0.5]
-    assert len(reasons) == 3 and "score 1 is nan" in reasons[0]
-    out, reasons = sanitize_scores([1.0], 3)  # a wrong count fails the whole call
-    assert out == [None, None, None] and "1 scores for 3 solutions" in reasons[0]
-    out, reasons = sanitize_scores(None, 2)
-    assert out == [None, None] and reasons
+    timeout = Unverified("timeout", "no verdict within 5 s of CPU time")
+    out = sanitize_scores([1.0, math.nan, -math.inf, "x", 0.5, timeout], 6)
+    assert causes(out) == [1.0, "nonfinite", "nonfinite", "nonfinite", 0.5, "timeout"]
+    assert out[1].why == "score 1 is nan" and out[5] == timeout
+    out = sanitize_scores([1.0], 3)  # a wrong count fails the whole call
+    assert causes(out) == ["verifier"] * 3 and "1 scores for 3 solutions" in out[0].why
+    assert causes(sanitize_scores(None, 2)) == ["verifier"] * 2
 
 
 def fan(n: int) -> Tree:
@@ -41,13 +48,18 @@ def fan(n: int) -> Tree:
 
 
 def test_failed_verifications_are_left_out_and_a_step_with_too_many_stops_the_run():
-    tree = leave_out_unverified(fan(4), [1.0, None, 0.0, None])
+    error = Unverified("error", "ZeroDivisionError: division by zero (judge.py:3)")
+    tree = leave_out_unverified(fan(4), [1.0, error, 0.0, Unverified("timeout", "no verdict")])
     assert [tree.response_ids(n) for n in tree.trajectories] == [[10], [12]]  # never trained as wrong answers
-    assert [tree.reward[n] for n in tree.trajectories] == [1.0, 0.0] and tree.meta["verify_failed"] == 2
+    assert [tree.reward[n] for n in tree.trajectories] == [1.0, 0.0]
+    assert tree.meta["unverified"] == {"error": 1, "timeout": 1}
     clean = leave_out_unverified(fan(4), [1.0, 0.0, 1.0, 1.0])
-    assert "verify_failed" not in clean.meta and len(clean.trajectories) == 4
-    assert verification_metrics([tree, clean], 0.5) == {"verify/failed": 2.0, "verify/failed_share": 0.25}
-    with pytest.raises(RuntimeError, match=r"2 of 8 trajectories .* \(25% > runtime.faults.max_verify_failed_share"):
+    assert "unverified" not in clean.meta and len(clean.trajectories) == 4
+    assert verification_metrics([tree, clean], 0.5) == {
+        "verify/failed": 2.0, "verify/failed_share": 0.25, "reward/errors": 1.0, "reward/timeouts": 1.0,
+        "reward/nonfinite": 0.0, "verify/verifier_failures": 0.0}
+    with pytest.raises(RuntimeError, match=r"2 of 8 trajectories .* no reward \(25% > runtime.faults.max_verify_failed_"
+                                           r"share = 20%\); the first: error: ZeroDivisionError: division by zero"):
         verification_metrics([tree, clean], 0.2)
 
 
@@ -69,16 +81,17 @@ def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
         in_flight = pool.score([tower, tower, *items])  # over 1 s a tower (the timeout below)
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
-        assert ray.get(in_flight) == [0.0, 0.0, 1.0, 0.0]  # a tower is a wrong answer, not a failure
+        # a tower has no verdict within its CPU-time limit: no reward, not a wrong answer
+        assert causes(ray.get(in_flight)) == ["timeout", "timeout", 1.0, 0.0]
         assert ray.get(pool.score(items)) == [1.0, 0.0]  # round robin reaches the restarted one (or waits for it)
         kinds = [k for _, k, _, _ in ray.get(registry.drain.remote())]
-        assert kinds and set(kinds) == {"verifier_retries"}  # retried, never failed
+        assert set(kinds) == {"verifier_retries", "reward_timeout"}  # the call retried, never failed
         # A call longer than the limit (a tower sympy tries to expand; the verifier's own per-item deadline is 5 s):
-        # retried once, then the items fail (None) with the reason logged; the hung verifiers are restarted.
+        # retried once, then the items fail (Unverified) with the reason logged; the hung verifiers are restarted.
         impatient = VerifierFront.remote(pool.verifiers, registry, load_config(DEFAULT_CONFIG, [
             "runtime.faults.verifier_retries=1", "runtime.faults.verifier_call_timeout_s=1"]).runtime)
         hard = [tower, items[0]]
-        assert ray.get(impatient.score.remote(hard)) == [None, None]
+        assert causes(ray.get(impatient.score.remote(hard))) == ["verifier", "verifier"]
         events = ray.get(registry.drain.remote())
         assert [k for _, k, _, _ in events] == ["verifier_retries", "verifier_failures"]
         assert "timed out after 1s of scoring" in events[-1][2] and events[-1][3] == 2
@@ -92,16 +105,17 @@ def test_verifier_loss_retries_and_timeouts_score_failures(ray_local):
 @pytest.mark.slow
 def test_the_time_limit_counts_from_the_start_of_scoring_not_from_the_queue(ray_local):
     registry = RuntimeRegistry.remote()
-    rt = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=0", "runtime.faults.verifier_call_timeout_s=3",
+    rt = load_config(DEFAULT_CONFIG, ["runtime.faults.verifier_retries=0", "runtime.faults.verifier_call_timeout_s=4",
                                       "runtime.verifier_timeout_s=1.2"]).runtime
-    pool = VerifierPool.start(rt, registry, None)  # one verifier; each tower takes its 1.2 s per-item limit
+    # One verifier; each tower takes its 1.2 s CPU-time limit (at most 3.6 s of wall time on a busy machine).
+    pool = VerifierPool.start(rt, registry, None)
     tower = ("math", r"\boxed{10^{10^{10}}}", "5")
     try:
-        # Two calls at once on one verifier: the second scores for 1.2 s after waiting 2.4 s for the first. Counted
-        # from when it was sent (3.6 s) it would be killed; counted from the start of its scoring it is in time.
+        # Two calls at once on one verifier: the second scores after waiting for the first. Counted from when it was
+        # sent it could be killed; counted from the start of its scoring it is in time.
         first, second = pool.score([tower, tower]), pool.score([tower])
-        assert ray.get([first, second], timeout=60) == [[0.0, 0.0], [0.0]]  # wrong answers, not failures
-        assert ray.get(registry.drain.remote()) == []
+        assert [causes(r) for r in ray.get([first, second], timeout=60)] == [["timeout", "timeout"], ["timeout"]]
+        assert {k for _, k, _, _ in ray.get(registry.drain.remote())} == {"reward_timeout"}  # no verifier failed
     finally:
         for actor in pool.actors() + [registry]:
             ray.kill(actor)

@@ -90,6 +90,24 @@ def test_train_and_eval_run_a_verl_job_with_verls_keys(verl_job, ray_local, caps
     assert metrics["overall/problems"] == 4 and {"openai/gsm8k/pass@1", "lighteval/MATH/pass@2"} <= set(metrics)
 
 
+def test_a_reward_function_that_always_fails_stops_the_run_naming_its_error(verl_job, ray_local, capsys):
+    root, keys, _ = verl_job
+    broken = root / "broken_reward.py"
+    broken.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None, log=''):\n"
+                      "    return 1 / 0\n")
+    keys = [k for k in keys if not k.startswith("custom_reward_function.path=")]
+    run = root / "broken-run"
+    assert main(["train", *keys, f"custom_reward_function.path={broken}", f"trainer.run_dir={run}",
+                 "trainer.steps=2", "trainer.eval_every=0", "trainer.eval_size=0"]) == 1
+    err = capsys.readouterr().err
+    stopped = [line for line in err.splitlines() if line.startswith("treepo-ray train: stopped:")]
+    assert len(stopped) == 1 and "have no reward" in stopped[0] and "max_verify_failed_share" in stopped[0]
+    assert "the first: error: ZeroDivisionError: division by zero (broken_reward.py:2)" in stopped[0]
+    trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").exists() else []
+    assert not any("actor/pg_loss" in row for row in trained)  # nothing was trained on it
+
+
 def test_correct_answers_score_1_by_every_route(verl_job, ray_local):
     root, keys, _ = verl_job
     cfg = load_config(DEFAULT_CONFIG, keys)

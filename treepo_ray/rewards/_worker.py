@@ -1,14 +1,16 @@
 """A scoring worker process: reads JSON lines {"i", ...item} and answers {"i", ...result}, one item at a time.
 
 Run as `python -m treepo_ray.rewards._worker MEMORY_MB KIND [ARGS]` (rewards/workers.py starts them). It bounds its
-own address space, so a pathological item ends in MemoryError instead of swapping; a hang is ended by the parent,
-which kills this process at the item's deadline. Two kinds:
+own address space, so a pathological item ends in MemoryError instead of swapping, and (for a user other than root,
+whom the kernel does not limit) the processes it may start; a hang is ended by the parent, which kills this process's
+group at the item's CPU-time limit. Two kinds:
 
 - `math`: {"pred", "gold"} -> {"ok"}: math-verify's symbolic equivalence with the sympy rules of rewards/forms.py.
   Model output is parsed, never executed.
 - `function PATH NAME KWARGS_JSON`: the user's reward function NAME from the file PATH (verl's
   `custom_reward_function`), called as NAME(data_source=, solution_str=, ground_truth=, extra_info=, **KWARGS) for
-  {"data_source", "solution_str", "ground_truth", "extra_info"} -> {"score", "acc"?, "pred"?} or {"error"}.
+  {"data_source", "solution_str", "ground_truth", "extra_info"} -> {"score", "acc"?, "pred"?} or {"error", "cause"}
+  (cause "nonfinite" for a NaN or infinite score, "error" for anything else it raised or returned).
 
 A worker that cannot start (math-verify missing, the reward file fails to import) answers {"fatal": why} and exits.
 """
@@ -71,6 +73,10 @@ def normalized(value) -> dict:
     return {"score": _number(value, "the score")}
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or an infinity: no reward, not a wrong answer."""
+
+
 def _number(v, what: str) -> float:
     if hasattr(v, "item") and callable(v.item):  # numpy / torch scalars
         v = v.item()
@@ -78,7 +84,7 @@ def _number(v, what: str) -> float:
         raise TypeError(f"returned {type(v).__name__} as {what}; expected a number or a dict with a numeric 'score'")
     x = float(v)
     if not math.isfinite(x):
-        raise TypeError(f"returned {x} as {what}")
+        raise NonFiniteReward(f"returned {x} as {what}")
     return x
 
 
@@ -103,12 +109,31 @@ def function_handler(args: list[str]):
         except (Exception, MemoryError, RecursionError) as err:
             where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
             at = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
-            return {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}{at}"}
+            cause = "nonfinite" if isinstance(err, NonFiniteReward) else "error"
+            return {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:300]}{at}", "cause": cause}
 
     return handle
 
 
 HANDLERS = {"math": math_handler, "function": function_handler}
+MAX_CHILDREN = 32
+"""Processes a worker may start beyond those its user already runs (RLIMIT_NPROC counts per user)."""
+
+
+def _limit_processes() -> None:
+    """Cap the processes this worker (and its children) may start; the kernel does not apply it to root."""
+    uid = os.getuid()
+    if uid == 0:
+        return
+    running = sum(1 for d in os.listdir("/proc") if d.isdigit() and _owner(d) == uid)
+    resource.setrlimit(resource.RLIMIT_NPROC, (running + MAX_CHILDREN, running + MAX_CHILDREN))
+
+
+def _owner(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def main() -> None:
@@ -116,6 +141,7 @@ def main() -> None:
     if memory_mb > 0:
         limit = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    _limit_processes()
     # The protocol owns the original stdout; anything a library (or a reward function) prints goes to stderr.
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)

@@ -5,8 +5,10 @@ function in it, `compute_score` by default), called as
 
 (keyword arguments; a dict must hold a numeric 'score' and may add 'acc' and 'pred'). It scores every row, whatever
 its data source (it may call treepo_ray.rewards.default_compute_score for the ones it does not handle itself), in
-bounded worker processes like the math verifier (rewards/workers.py): an item that overruns the time limit, runs out
-of memory or raises scores wrong, and the reason is printed.
+bounded worker processes like the math verifier (rewards/workers.py), which see only the environment variables named
+in `env`. An item that overruns the time limit, runs out of memory, raises, or returns NaN or something that is not a
+score has no reward: it comes back with "failed" (its cause) and "error" (the reason, printed once), and is left out
+of the loss, never scored as wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class RewardFunctionConfig:
     """The function's name in that file."""
     reward_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of every call."""
+    env: list[str] = field(default_factory=list)
+    """Environment variables the function may read (an LLM judge's API key, say); the workers see no others beyond
+    PATH, HOME, the locale and the Python path."""
 
     @property
     def enabled(self) -> bool:
@@ -67,23 +72,27 @@ class FunctionScorer:
     def __init__(self, cfg: RewardFunctionConfig, num_workers: int, memory_mb: int, timeout_s: float):
         self.cfg, self.timeout_s = cfg, timeout_s
         self._pool = WorkerPool("function", [cfg.resolved_path(), cfg.name, json.dumps(cfg.reward_kwargs)],
-                                num_workers, memory_mb)
+                                num_workers, memory_mb, tuple(cfg.env))
         self.errors = 0
-        """Items whose call raised, timed out or returned something unusable (each scored wrong)."""
+        """Items whose call raised, timed out or returned something unusable (none has a reward)."""
         self._reported: set[str] = set()
 
     def score(self, items: list[tuple[str, str, object, dict]]) -> list[dict]:
-        """{"score", "acc"?, "pred"?} or {"error"} of each (data_source, solution, ground_truth, extra_info)."""
+        """{"score", "acc"?, "pred"?}, or {"failed": "error" | "timeout" | "nonfinite", "error": why}, of each
+        (data_source, solution, ground_truth, extra_info)."""
         pending = deque((i, {"data_source": s, "solution_str": sol, "ground_truth": gt, "extra_info": extra})
                         for i, (s, sol, gt, extra) in enumerate(items))
         answers = self._pool.run(pending, self.timeout_s)
         out = []
         for i in range(len(items)):
-            got = answers.get(i)
-            if got is None:
-                got = {"error": f"no answer within {self.timeout_s:g}s (timed out or out of memory)"}
+            got = answers.get(i) or {"lost": "died"}
             got.pop("i", None)
-            if "error" in got:
+            if "lost" in got:
+                got = {"failed": "timeout", "error": f"no answer within {self.timeout_s:g} s of CPU time"} \
+                    if got["lost"] == "timeout" else {"failed": "error", "error": "the worker died (out of memory?)"}
+            elif "error" in got:
+                got = {"failed": got.pop("cause", "error"), "error": got["error"]}
+            if "failed" in got:
                 self.errors += 1
                 self._report(got["error"])
             out.append(got)
@@ -93,7 +102,7 @@ class FunctionScorer:
         """Print each distinct failure once (the first 20), so a broken function is seen but does not flood logs."""
         if error not in self._reported and len(self._reported) < 20:
             self._reported.add(error)
-            print(f"custom reward function {self.cfg.name} ({self.cfg.path}): {error}; the item scores wrong",
+            print(f"custom reward function {self.cfg.name} ({self.cfg.path}): {error}; no reward, left out of the loss",
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:

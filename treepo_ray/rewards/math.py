@@ -30,7 +30,7 @@ class MathVerifyConfig:
     wrong_score: float = 0.0
     """Score of a wrong or missing answer (set -1.0 for the +1/-1 scheme of DAPO)."""
     timeout_s: float = 5.0
-    """Wall-clock deadline of one symbolic comparison; past it the worker is killed and the answer is wrong."""
+    """CPU-time limit of one symbolic comparison; past it the worker is killed and the answer has no reward."""
     memory_mb: int = 2048
     """Address-space limit of each worker process (0 = unlimited)."""
     num_workers: int = 2
@@ -43,6 +43,13 @@ class MathVerifyConfig:
 
 def _result(cfg: MathVerifyConfig, ok: bool, pred: str) -> dict:
     return {"score": float(cfg.correct_score if ok else cfg.wrong_score), "acc": 1.0 if ok else 0.0, "pred": pred}
+
+
+def _failed(cfg: MathVerifyConfig, lost: str, pred: str) -> dict:
+    """No verdict: the comparison overran its CPU-time limit or its worker died (acc 0 for accuracy counts)."""
+    cause, why = ("timeout", f"no verdict within {cfg.timeout_s:g} s of CPU time") if lost == "timeout" else \
+        ("error", "the math verifier's worker died (out of memory?)")
+    return {**_result(cfg, False, pred), "failed": cause, "error": f"{why}: answer {pred[:80]!r}"}
 
 
 def _answer_of(text: str, cfg: MathVerifyConfig) -> str | None:
@@ -111,7 +118,8 @@ class MathVerifier:
 
     def score_batch(self, solutions: list[str], ground_truths: list,
                     options: list[dict[str, str] | None] | None = None) -> list[dict]:
-        """{"score", "acc", "pred"} of each solution, in order; `options`: each row's multiple-choice options by
+        """{"score", "acc", "pred"} of each solution, in order, plus "failed" and "error" where no verdict came
+        (a timeout, a dead worker: not a wrong answer); `options`: each row's multiple-choice options by
         letter (forms.options_of), or None."""
         if len(solutions) != len(ground_truths):
             raise ValueError(f"{len(solutions)} solutions but {len(ground_truths)} ground truths")
@@ -130,8 +138,9 @@ class MathVerifier:
                                      cfg.timeout_s)
         except RuntimeError as err:
             raise RuntimeError(f"MathVerifier: {err}") from None
-        for i, _, _ in pending:  # an item that overran its deadline (None) is wrong
-            results[i] = _result(cfg, bool((answers.get(i) or {}).get("ok")), _answer_of(solutions[i], cfg))
+        for i, _, _ in pending:  # an item that overran its limit, or whose worker died, has no verdict
+            got, pred = answers.get(i) or {"lost": "died"}, _answer_of(solutions[i], cfg)
+            results[i] = _failed(cfg, got["lost"], pred) if "lost" in got else _result(cfg, bool(got.get("ok")), pred)
         return results  # type: ignore[return-value]
 
 
@@ -175,4 +184,4 @@ def compute_score(solution_str: str, ground_truth, cfg: MathVerifyConfig | None 
         except (Exception, RecursionError):
             return _result(cfg, False, answer)
     result = _shared_verifier(cfg).score(solution_str, ground_truth, options)
-    return _result(cfg, result["acc"] == 1.0, result["pred"])
+    return {**result, **_result(cfg, result["acc"] == 1.0, result["pred"])}

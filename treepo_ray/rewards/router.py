@@ -67,8 +67,9 @@ def _rescale(result: dict, cfg: MathVerifyConfig) -> dict:
 
 
 def _best(results: list[dict]) -> dict:
-    """Of the results of one solution against each acceptable answer, the first right one (else the first)."""
-    return next((r for r in results if r["acc"] == 1.0), results[0])
+    """Of the results of one solution against each acceptable answer: the first right one, else the first without a
+    verdict (a right answer may hide behind it), else the first."""
+    return next((r for r in results if r["acc"] == 1.0), next((r for r in results if "failed" in r), results[0]))
 
 
 def score(data_source: str, solution: str, ground_truth, cfg: MathVerifyConfig | None = None,
@@ -108,7 +109,9 @@ class BatchScorer:
         self._function: FunctionScorer | None = None
 
     def score_details(self, items: list[Item]) -> list[dict]:
-        """{"score", "acc", "pred"} of each item, in order (plus "error" where the custom function failed)."""
+        """{"score", "acc", "pred"} of each item, in order, plus "failed" ("error", "timeout" or "nonfinite") and
+        "error" (why) where no reward could be computed: such an item is not a wrong answer (its acc is 0 for
+        accuracy counts, and the training run leaves it out of the loss)."""
         for i, item in enumerate(items):
             if len(item) not in (3, 4):
                 raise ValueError(f"item {i} must be (data_source, solution, ground_truth[, extra_info]), "
@@ -144,20 +147,20 @@ class BatchScorer:
         calls = [(it[0], it[1], it[2], dict(it[3]) if len(it) == 4 and it[3] else {}) for it in items]
         out = []
         for got in self._function.score(calls):
-            if "error" in got:
-                out.append({"score": float(self.cfg.wrong_score), "acc": 0.0, "pred": "", "error": got["error"]})
+            if "failed" in got:
+                out.append({"score": float(self.cfg.wrong_score), "acc": 0.0, "pred": "", **got})
                 continue
             acc = got.get("acc", 1.0 if got["score"] >= self.cfg.correct_score else 0.0)
             out.append({"score": got["score"], "acc": float(acc), "pred": got.get("pred", "")})
         return out
 
-    def score_batch(self, items: list[Item]) -> list[float]:
-        """The score of each item, in order."""
-        return [r["score"] for r in self.score_details(items)]
+    def score_batch(self, items: list[Item]) -> list[float | None]:
+        """The score of each item, in order; None where no reward could be computed."""
+        return [None if "failed" in r else r["score"] for r in self.score_details(items)]
 
     @property
     def function_errors(self) -> int:
-        """Items the custom reward function failed on so far (scored wrong)."""
+        """Items the custom reward function failed on so far (no reward)."""
         return self._function.errors if self._function is not None else 0
 
     def close(self) -> None:

@@ -1,9 +1,13 @@
-"""Bounded scoring processes: a pool of `_worker` subprocesses, each item under a deadline and a memory cap.
+"""Bounded scoring processes: a pool of `_worker` subprocesses, each item under a CPU-time limit, each worker under
+a memory cap, a process-count cap and a cleared environment.
 
 Every scorer that may run long or blow up on an input (math-verify's symbolic comparison, a user's reward function)
-runs here: each worker caps its own address space; the parent gives every item a deadline and kills and replaces a
-worker that overruns it or dies, so a pathological item is answered None (the caller scores it wrong) within the
-timeout and the next items go on.
+runs here. Each worker caps its own address space and processes (rewards/_worker.py); the parent gives every item a
+limit in CPU seconds of the worker (so a busy machine does not turn slow answers into failures), with a wall-clock
+backstop for an item that waits without computing, and kills the worker's whole process group (whatever it started
+goes with it) when an item overruns or the worker dies, answering that item {"lost": "timeout"} or {"lost": "died"}.
+Workers see only a few environment variables (PATH, HOME, locale, the Python path) plus the names the caller passes
+through: cloud credentials and API keys of the job stay out of reach of reward code.
 """
 
 from __future__ import annotations
@@ -11,20 +15,35 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
 from collections import deque
 
+import psutil
+
 IN_SCORING_WORKER = "TREEPO_RAY_SCORING_WORKER"
 """Set to "1" in every worker process: code there (a custom reward function calling default_compute_score) is
 already bounded, so it scores math in its own process instead of starting another worker."""
+BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+"""Environment variables every worker keeps; anything else must be named by the caller (custom_reward_function.env)."""
+WALL_BACKSTOP = 3.0
+"""An item may take this many times its CPU limit in wall time (waiting on a lock, sleeping, a busy machine)."""
+POLL_S = 0.05
+"""How often a busy worker's CPU time is read."""
+
+
+def worker_env(names: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a scoring worker: BASE_ENV and `names` where set, one thread, the worker marker."""
+    keep = {k: os.environ[k] for k in (*BASE_ENV, *names) if k in os.environ}
+    return keep | {"OMP_NUM_THREADS": "1", IN_SCORING_WORKER: "1"}
 
 
 class _Worker:
-    """One `_worker` subprocess, its pipes, and the item it is working on."""
+    """One `_worker` subprocess (the leader of its own process group), its pipes, and the item it is working on."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], env: dict[str, str]):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "treepo_ray.rewards._worker", *argv],
             stdin=subprocess.PIPE,
@@ -32,18 +51,45 @@ class _Worker:
             stderr=None if argv[1] == "function" else subprocess.DEVNULL,  # a user's function may print
             text=True,
             bufsize=1,
-            env=os.environ | {"OMP_NUM_THREADS": "1", IN_SCORING_WORKER: "1"},
+            env=env,
+            start_new_session=True,  # its own process group: a kill takes whatever it started too
         )
         self.ready = False
         self.item: int | None = None
-        self.deadline = 0.0
+        self.cpu_limit = self.cpu_start = self.wall_deadline = 0.0
+
+    def cpu_s(self) -> float:
+        """CPU seconds the worker has used (user + system); 0 when it is gone."""
+        try:
+            t = psutil.Process(self.proc.pid).cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return 0.0
 
     def send(self, i: int, item: dict, timeout_s: float) -> None:
-        self.item, self.deadline = i, time.monotonic() + timeout_s
+        self.item, self.cpu_limit, self.cpu_start = i, timeout_s, self.cpu_s()
+        self.wall_deadline = time.monotonic() + WALL_BACKSTOP * timeout_s
         self.proc.stdin.write(json.dumps({**item, "i": i}, default=str) + "\n")
         self.proc.stdin.flush()
 
+    def overran(self, now: float) -> bool:
+        return self.item is not None and (now >= self.wall_deadline or self.cpu_s() - self.cpu_start > self.cpu_limit)
+
     def kill(self) -> None:
+        """Kill the worker, its process group and any descendant that left the group."""
+        try:
+            stray = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            stray = []
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in stray:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
         self.proc.kill()
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
@@ -57,11 +103,11 @@ class WorkerPool:
     """`num_workers` worker processes of one kind (`_worker` KIND ARGS), started in the background when the pool is
     made and reused across calls. Not thread-safe: one caller at a time; close() when done."""
 
-    def __init__(self, kind: str, args: list[str], num_workers: int, memory_mb: int):
+    def __init__(self, kind: str, args: list[str], num_workers: int, memory_mb: int, env_names: tuple[str, ...] = ()):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self.argv = [str(memory_mb), kind, *args]
-        self._workers = [_Worker(self.argv) for _ in range(num_workers)]
+        self.argv, self.env = [str(memory_mb), kind, *args], worker_env(tuple(env_names))
+        self._workers = [_Worker(self.argv, self.env) for _ in range(num_workers)]
         self.restarts = 0
         """Workers killed for overrunning a deadline or found dead (a counter for logs)."""
 
@@ -70,10 +116,11 @@ class WorkerPool:
             w.kill()
         self._workers = []
 
-    def run(self, pending: deque[tuple[int, dict]], timeout_s: float) -> dict[int, dict | None]:
-        """Each (index, item) of `pending` on a worker; index -> the worker's answer, or None when the item overran
-        `timeout_s` or its worker died. Raises RuntimeError when workers keep failing to start."""
-        out: dict[int, dict | None] = {}
+    def run(self, pending: deque[tuple[int, dict]], timeout_s: float) -> dict[int, dict]:
+        """Each (index, item) of `pending` on a worker; index -> the worker's answer, or {"lost": "timeout"} when the
+        item overran `timeout_s` CPU seconds (or its wall backstop), {"lost": "died"} when its worker died under it.
+        Raises RuntimeError when workers keep failing to start."""
+        out: dict[int, dict] = {}
         if not self._workers:
             raise RuntimeError("the scoring worker pool is closed")
         sel = selectors.DefaultSelector()
@@ -88,9 +135,8 @@ class WorkerPool:
                         try:
                             w.send(i, item, timeout_s)
                         except (BrokenPipeError, OSError):
-                            self._replace(sel, w, out)
-                busy = [w.deadline for w in self._workers if w.item is not None]
-                wait = max(0.0, min(busy) - time.monotonic()) if busy else 1.0
+                            self._replace(sel, w, out, "died")
+                wait = POLL_S if any(w.item is not None for w in self._workers) else 1.0
                 for key, _ in sel.select(timeout=wait):
                     w = key.data
                     line = w.proc.stdout.readline()
@@ -102,7 +148,7 @@ class WorkerPool:
                             if failed_starts >= 3:
                                 raise RuntimeError(f"scoring worker ({' '.join(self.argv[1:3])}) exits at start: "
                                                    f"{fatal or 'no message (is math-verify installed?)'}")
-                        self._replace(sel, w, out)
+                        self._replace(sel, w, out, "died")
                         continue
                     if msg.get("ready"):
                         w.ready = True
@@ -110,19 +156,19 @@ class WorkerPool:
                         out[w.item], w.item = msg, None
                 now = time.monotonic()
                 for w in list(self._workers):
-                    if w.item is not None and now >= w.deadline:
-                        self._replace(sel, w, out)
+                    if w.overran(now):
+                        self._replace(sel, w, out, "timeout")
         finally:
             sel.close()
         return out
 
-    def _replace(self, sel: selectors.BaseSelector, w: _Worker, out: dict[int, dict | None]) -> None:
-        """Kill `w` (its current item gets None) and start a fresh worker in its place."""
+    def _replace(self, sel: selectors.BaseSelector, w: _Worker, out: dict[int, dict], why: str) -> None:
+        """Kill `w` (its current item is answered {"lost": why}) and start a fresh worker in its place."""
         if w.item is not None:
-            out[w.item] = None
+            out[w.item] = {"lost": why}
         sel.unregister(w.proc.stdout)
         w.kill()
-        fresh = _Worker(self.argv)
+        fresh = _Worker(self.argv, self.env)
         self._workers[self._workers.index(w)] = fresh
         sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)
         self.restarts += 1

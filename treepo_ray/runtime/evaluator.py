@@ -20,6 +20,7 @@ from treepo_ray.data.sampling import request_seed
 from treepo_ray.engines.base import SamplingParams, SegmentRequest
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.runtime.liveness import get
+from treepo_ray.runtime.verifier import verified
 
 
 def validation_metrics(sources: list[str], rewards: np.ndarray, correct_threshold: float, k: int) -> dict:
@@ -61,9 +62,9 @@ class Evaluator:
         items = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True), p.ground_truth,
                   p.extra_info) for p, c in answers]
         scored = get(sup.verifiers.score(items), cfg.runtime.deadlines.grow_s, "verifying the evaluation")
-        verified = [(p.data_source, r) for (p, _), r in zip(answers, scored) if r is not None]
-        sources = [src for src, _ in verified]  # a failed verification is left out, not scored as wrong
-        rewards = np.array([r for _, r in verified], dtype=np.float64)
+        scored_ok = [(p.data_source, r) for (p, _), r in zip(answers, scored) if verified(r)]
+        sources = [src for src, _ in scored_ok]  # an answer without a reward is left out, not scored as wrong
+        rewards = np.array([r for _, r in scored_ok], dtype=np.float64)
         threshold = cfg.algo.correct_threshold
         return {"eval/accuracy": float((rewards >= threshold).mean()) if rewards.size else 0.0,
                 "eval/reward": float(rewards.mean()) if rewards.size else 0.0,

@@ -24,6 +24,7 @@ import ray
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.healing.critique import CritiqueHealer
 from treepo_ray.runtime.liveness import get, on_this_node, within
+from treepo_ray.runtime.verifier import verified
 from treepo_ray.tree.tree import Tree
 
 
@@ -85,7 +86,7 @@ class HealerActor:
             solution = safe_decode(tokenizer, t.response_ids(node), skip_special_tokens=True)
             item = (t.meta.get("data_source", ""), solution, t.meta["ground_truth"], t.meta.get("extra_info", {}))
             reward = get(self.verifiers.score([item]), self.wait_s, f"verifying a graft of {t.query_id}")[0]
-            if reward is None:  # never graft a branch scored as wrong because its verification failed
+            if not verified(reward):  # never graft a branch scored as wrong because it has no reward
                 raise HealRefused(f"a graft of {t.query_id} could not be verified")
             return reward
 

@@ -17,7 +17,8 @@ import ray
 from treepo_ray.job.faults import report
 from treepo_ray.runtime.liveness import get, within
 
-QUIET = ("resent_requests", "verifier_retries", "regrown_prompts")
+QUIET = ("resent_requests", "verifier_retries", "regrown_prompts", "reward_error", "reward_timeout", "reward_nonfinite",
+         "reward_verifier")
 """Events counted, not printed (their cause is printed once, as its own event)."""
 
 
