@@ -154,7 +154,7 @@ def run_leg_process(name: str, out: Path, limit_s: float) -> dict:
 def run_leg(name: str, context: dict) -> int:
     """In a leg's own process: run it, write legs/NAME.json."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray: 127.0.0.1 only (runtime/cluster.py)
     path = Path(context["out"]) / "legs" / f"{name}.json"
     try:
         figures = globals()[f"leg_{name}"](context)

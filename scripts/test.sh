@@ -3,7 +3,7 @@
 # older transformers, so it has its own environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0 WANDB_MODE=${WANDB_MODE:-offline}
+export RAY_USAGE_STATS_ENABLED=0 WANDB_MODE=${WANDB_MODE:-offline}  # Ray: tests/conftest.py (loopback, token auth)
 bash scripts/setup.sh
 .venv/bin/lint-imports  # the layers of ARCHITECTURE.md (contracts in pyproject.toml)
 .venv/bin/python -m pytest -q "$@"

@@ -1,6 +1,7 @@
 """The Ray a run joins, and what every step exports to it.
 
-    init_ray     the configured cluster (runtime.address or RAY_ADDRESS), else a new local Ray; a live one is reused
+    init_ray     the configured cluster (runtime.address or RAY_ADDRESS), else a new local Ray, closed: on 127.0.0.1
+                 only, with Ray's token authentication; a live one is reused
     set_up       a run's inputs (job/inputs.py: checked and loaded before anything slow starts), then Ray
     ray_gauges   a RunLogger sink exporting each metric as a Ray gauge tagged with the run and the algorithm (the Ray
                  dashboard, Prometheus, the Grafana dashboard in cluster/grafana/)
@@ -8,6 +9,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 
@@ -18,19 +20,36 @@ METRIC_TAGS = ("run", "algorithm")
 """Tags of every Ray metric, so that runs sharing a cluster (`cluster/submit.sh all`) stay separate series."""
 
 
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch for a one-machine Ray (its default on macOS and Windows). Set to 0, Ray takes 127.0.0.1 as the node's
+address, so every process of a local Ray (GCS, raylet, workers, agents, dashboard, metrics) listens on the loopback
+interface only and no other machine can join. Ray reads it once, when `ray` is first imported."""
+
+
 def init_ray(cfg: TrainConfig) -> None:
-    """Join the configured cluster (runtime.address or RAY_ADDRESS), else start a local Ray; reuse a live one."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """Join the configured cluster (runtime.address or RAY_ADDRESS), else start a local Ray; reuse a live one.
+
+    A local Ray is closed twice over: bound to 127.0.0.1 (LOOPBACK_ENV), and with token authentication, Ray's own
+    default when RAY_AUTH_MODE is unset (ray.init sets it to token and keeps the token in ~/.ray/auth_token, made if
+    missing), so a process on this machine without the token is refused too. RAY_AUTH_MODE is left to Ray: set here
+    after Ray was imported, the driver would not see it but the processes it starts would. A cluster's
+    authentication is its own (cluster/README.md)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = cfg.runtime.address or os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":  # before `import ray`: Ray reads it then
+        os.environ.setdefault(LOOPBACK_ENV, "0")
     import ray
 
     if ray.is_initialized():
         return
-    address = cfg.runtime.address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if address != "local":
         ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=cfg.runtime.num_cpus or os.cpu_count(), include_dashboard=None)
+        return
+    node_ip = ray.util.get_node_ip_address()  # the address a new local Ray would listen on
+    if os.environ[LOOPBACK_ENV] == "0" and not ipaddress.ip_address(node_ip).is_loopback:
+        raise RuntimeError(f"Ray was imported before init_ray set {LOOPBACK_ENV}=0, so a local Ray would listen on "
+                           f"{node_ip}: set it in the environment, or import Ray after init_ray")
+    ray.init(address="local", num_cpus=cfg.runtime.num_cpus or os.cpu_count(), include_dashboard=None)
 
 
 def set_up(cfg: TrainConfig) -> Job:
