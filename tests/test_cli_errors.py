@@ -5,16 +5,6 @@ import json
 import pytest
 
 from treepo_ray.cli import main
-from treepo_ray.engines.tiny import build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A model directory with the tiny tokenizer and a config.json: all that is read before anything slow."""
-    model = tmp_path_factory.mktemp("model")
-    build_tokenizer().save_pretrained(model)
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 1024}))
-    return model
 
 
 def run(capsys, *argv):

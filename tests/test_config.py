@@ -75,3 +75,31 @@ def test_a_yaml_file_goes_through_the_same_dotted_overrides(tmp_path):
     with pytest.raises(ValueError, match="c.yaml: expected a mapping of config sections, got list"):
         config.load(WithMapping, path)
     assert config.read_file_overrides(WithMapping, None) == []
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", ".nan", "inf", "-inf", ".inf", "1e999"])
+def test_a_float_must_be_finite(tmp_path, value):
+    """NaN slips past every range check (`nan <= 0` is False) and inf is no limit: refused for a plain float, an
+    optional one (its own message, not "cannot read") and in a YAML file (named)."""
+    with pytest.raises(config.UserError, match=r"^inner.y: expected a finite number, got"):
+        config.apply_overrides(Outer(), [f"inner.y={value}"])
+    path = tmp_path / "c.yaml"
+    path.write_text(f"inner:\n  y: {value}\n")
+    with pytest.raises(config.UserError, match=rf"^{path}: inner.y: expected a finite number"):
+        config.load(Outer, path)
+    assert config.apply_overrides(Outer(), ["inner.y=-1.5e3"]).inner.y == -1500.0
+
+
+@dataclass
+class Floats:
+    rate: float = 0.5
+    rates: list[float] = field(default_factory=list)
+
+
+def test_finite_floats_in_lists_and_wrong_types_named():
+    with pytest.raises(config.UserError, match=r"^rates\[1\]: expected a finite number, got 'nan'"):
+        config.apply_overrides(Floats(), ["rates=[0.1, nan]"])
+    with pytest.raises(config.UserError, match=r"^rate: expected a number, got 'fast'"):
+        config.apply_overrides(Floats(), ["rate=fast"])
+    with pytest.raises(config.UserError, match=r"^inner.y: expected a number, got 'x'"):
+        config.apply_overrides(Outer(), ["inner.y=x"])

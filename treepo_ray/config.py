@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -31,13 +32,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
                 return None
+        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, where)
-            except (TypeError, ValueError):
-                continue
+            except (TypeError, ValueError) as err:
+                errors.append(err)
+        if len(errors) == 1 and isinstance(errors[0], UserError):  # `float | None`: say what the float refused
+            raise errors[0]
         raise UserError(f"{where}: cannot read {value!r} as {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -71,9 +75,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool):
             raise UserError(f"{where}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise UserError(f"{where}: expected a number, got {value!r}") from None
+        # Every section's range checks (`<= 0`, `< 1`) let NaN through, and inf turns a timeout into no timeout:
+        # refused here, once for every float key.
+        if not math.isfinite(number):
+            raise UserError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise UserError(f"{where}: expected a string, got {value!r}")

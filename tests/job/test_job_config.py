@@ -2,6 +2,7 @@
 jobs/configs loads, the paper settings are what they say, bad values name their key, and the algorithm sections'
 settings reach the code they configure."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,34 @@ def test_algorithm_settings_reach_the_credit_and_the_catpo_scoring():
         scored = Tree.from_dict(tree.to_dict())
         algo.spec.score(scored, algo)
         assert scored.meta["catpo"]["regime"] == regime
+
+
+def float_keys(cls, prefix=""):
+    """(key, index) of every float the config holds: `float` and `float | None` keys (index ''), lists of floats
+    (index '[0]'), walked from the dataclasses themselves, so a key added later is covered too."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from float_keys(tp, f"{prefix}{f.name}.")
+        elif float in typing.get_args(tp) and typing.get_origin(tp) in (list, tuple):
+            yield f"{prefix}{f.name}", "[0]"
+        elif float in (tp, *typing.get_args(tp)):
+            yield f"{prefix}{f.name}", ""
+
+
+@pytest.mark.parametrize("value", ["nan", "-.inf"])
+def test_no_float_key_takes_nan_or_infinity(value):
+    """NaN passes every `<= 0` check (lock_stale_s=nan spun the lock's heartbeat loop) and inf turns a deadline
+    into none: the loader refuses both for every float key, naming it, before any section's own checks."""
+    from treepo_ray.config import UserError
+    from treepo_ray.job.config import TrainConfig
+
+    keys = dict(float_keys(TrainConfig))
+    assert {"trainer.lock_stale_s", "runtime.deadlines.grow_s", "learner.lr", "learner.betas"} <= set(keys)
+    for key, index in keys.items():
+        with pytest.raises(UserError, match=rf"^{re.escape(key + index)}: expected a finite number, got"):
+            load_config(None, [f"{key}=[{value}]" if index else f"{key}={value}"])

@@ -9,26 +9,38 @@ Two row layouts are read:
 - a plain layout: `problem` and `answer` (optionally `data_source`, `id`).
 
 Every row becomes a `Prompt` record (data/prompts.py) whose id is `<file>/<row id>`, so ids stay unique across files
-(verl's extra_info.index restarts in every file). The prompt text comes from the tokenizer's chat template when it
-has one, from `plain_template` otherwise. A row that cannot be read (or whose data source has no built-in scorer
-when no custom reward function is set) raises BadRow naming the file, the row and the field, unless
-`skip_bad_rows` is set: then it is counted and skipped. A prompt longer than the limit (max_prompt_tokens, and the
-model's context less the response budget) is handled as `overlong` says.
+(verl's extra_info.index restarts in every file). Loading is two steps, so that every row is checked before any
+model is loaded (job/inputs.py):
+
+- read (`read_dataset`, `read_records`; no tokenizer): each row decoded (UTF-8, JSON), its fields found, its text
+  free of lone surrogates, its ground truth free of NaN and infinities, its data source and ground truth taken by a
+  built-in scorer when no custom reward function is set, its extra_info made recordable as JSON (timestamps and
+  dates become ISO 8601 text, bytes base64, said once per split). A row that fails raises BadRow naming the file,
+  the row and the field, unless `skip_bad_rows` is set: then it is counted and skipped. A file that cannot be read
+  at all (missing, corrupt parquet) is a UserError naming it.
+- encode (`encode_dataset`, `encode_records`): the prompt text from the tokenizer's chat template when it has one,
+  from `plain_template` otherwise, tokenized; a prompt longer than the limit (max_prompt_tokens, and the model's
+  context less the response budget) is handled as `overlong` says.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import json
+import math
 import os
 import shutil
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from treepo_ray.config import UserError
 from treepo_ray.data.prompts import Prompt
-from treepo_ray.rewards.router import check_row
+from treepo_ray.rewards.router import check_row, scorer_of
 
 OVERLONG = ("filter", "error", "truncate_left", "keep")
 
@@ -75,6 +87,12 @@ class LoadedDataset:
     """Rows over the prompt length limit that were filtered out (or truncated, with truncate_left)."""
     errors: list[str] = field(default_factory=list)
     """The first few messages of skipped rows."""
+    converted: int = 0
+    """extra_info values JSON has no form for, recorded in another form (ISO 8601 text, base64, ...)."""
+    first_converted: str = ""
+    """Where the first of them was: 'file: row i: field (type)'."""
+    rows: list[tuple[str, str, ParsedRow]] = field(default_factory=list)
+    """Rows read and checked by read_dataset, as (where, id, row), waiting for the tokenizer (encode_dataset)."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -91,28 +109,120 @@ class BadRow(UserError):
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(row number, row) of a .jsonl/.json-lines or .parquet file; a line that is not JSON is passed on as a
-    BadRow instance so the caller can count or raise it."""
+    """(row number, row) of a .jsonl/.json-lines or .parquet file; a row that cannot be decoded (not UTF-8, not
+    JSON) is passed on as a BadRow instance so the caller can count or raise it. A file that cannot be read at all
+    (missing, not parquet) is a UserError naming it."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"dataset file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield i, row
+        yield from _parquet_rows(path)
     elif suffix in (".jsonl", ".json", ".ndjson"):
-        with path.open(encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, BadRow(f"{path}: row {i}: not valid JSON ({e.msg} at column {e.colno})")
+        yield from _jsonl_rows(path)
     else:
         raise UserError(f"dataset file {str(path)!r}: unknown format {suffix!r} (use .jsonl or .parquet)")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    # Bytes, decoded line by line: one undecodable line is a bad row naming itself, not a traceback for the file.
+    with path.open("rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8-sig" if i == 0 else "utf-8")  # a byte-order mark may open the file
+            except UnicodeDecodeError as e:
+                yield i, BadRow(f"{path}: row {i}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+                                "of the line)")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield i, BadRow(f"{path}: row {i}: not valid JSON ({e.msg} at column {e.colno})")
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:  # not parquet, truncated, corrupt pages
+        why = " ".join(str(err).replace(f"Could not open Parquet input source '{path}': ", "").split())
+        raise UserError(f"{path}: not a readable parquet file ({why})") from None
+    i = 0
+    for batch in table.to_batches(max_chunksize=4096):
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:  # a text column holding bytes that are not UTF-8: find the rows, name them
+            rows = [_parquet_row(batch, j, f"{path}: row {i + j}") for j in range(batch.num_rows)]
+        for row in rows:
+            yield i, row
+            i += 1
+
+
+def _parquet_row(batch, j: int, where: str) -> dict | BadRow:
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column[j].as_py()
+        except UnicodeDecodeError as e:
+            return BadRow(f"{where}: field {name!r} is not valid UTF-8 (byte 0x{e.object[e.start]:02x})")
+    return row
+
+
+def _recordable(value: Any, where: str, name: str, converted: list[str] | None) -> Any:
+    """`value` as JSON records it (trees.jsonl, checkpoints' waiting batches, the reward workers), checked now so
+    that a row that cannot be recorded fails here, naming itself, and not at the first tree record after Ray is up.
+    Every string must be text (no lone surrogate, such as a JSON "\\ud800"). With `converted` (extra_info), a
+    timestamp, date or time becomes ISO 8601 text, a duration its seconds, a decimal or uuid its text and bytes
+    base64 (_AS_JSON), each named in `converted`; without it (prompts, ground truths) such a value, and a NaN or
+    infinite number, is refused. Any other type is refused either way."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRow(f"{where}: field {name!r} holds a lone surrogate {value[e.start]!r} at character {e.start} "
+                         "(not text; an unpaired \\ud800-\\udfff escape?)") from None
+        return value
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        if converted is None and math.isnan(value):
+            raise BadRow(f"{where}: field {name!r} is NaN, not an answer (a missing value?)")
+        if converted is None and math.isinf(value):
+            raise BadRow(f"{where}: field {name!r} is {value}, not an answer (write infinity as text, e.g. '\\infty')")
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise BadRow(f"{where}: field {name!r} has a key of type {type(k).__name__}; JSON keys are text")
+            out[_recordable(k, where, name, None)] = _recordable(v, where, f"{name}.{k}", converted)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_recordable(v, where, f"{name}[{j}]", converted) for j, v in enumerate(value)]
+    as_json = next((f for t, f in _AS_JSON.items() if isinstance(value, t)), None) if converted is not None else None
+    if as_json is None:
+        raise BadRow(f"{where}: field {name!r} holds a value of type {type(value).__name__}, which cannot be recorded "
+                     "as JSON (give text, numbers, lists or mappings)")
+    converted.append(f"{where}: {name} ({type(value).__name__})")
+    return as_json(value)
+
+
+# extra_info values JSON has no form for (parquet's timestamp, date, time, duration, decimal, binary and uuid columns),
+# in the form each is passed on: converted once as the row is read, so that the reward function, trees.jsonl and a
+# checkpoint's waiting batches all see the same value.
+_AS_JSON = {
+    datetime.datetime: datetime.datetime.isoformat,  # before date: a datetime is a date
+    datetime.date: datetime.date.isoformat,
+    datetime.time: datetime.time.isoformat,
+    datetime.timedelta: datetime.timedelta.total_seconds,
+    decimal.Decimal: str,
+    bytes: lambda b: base64.b64encode(b).decode("ascii"),
+    uuid.UUID: str,
+}
 
 
 def _field(row: dict, name: str, where: str) -> Any:
@@ -125,12 +235,16 @@ def _field(row: dict, name: str, where: str) -> Any:
     return value
 
 
+def _fields_of(row: dict) -> str:
+    return ", ".join(repr(k) for k in row) or "none"
+
+
 def _messages(prompt: Any, where: str, name: str = "prompt") -> list[dict] | str:
     """The prompt as chat messages (validated) or as text."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise BadRow(f"{where}: field {name!r} is empty")
-        return prompt
+        return _recordable(prompt, where, name, None)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise BadRow(f"{where}: field {name!r} must be a string or a non-empty list of messages")
     out = []
@@ -138,15 +252,17 @@ def _messages(prompt: Any, where: str, name: str = "prompt") -> list[dict] | str
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{where}: field '{name}[{j}]' must be a message {{'role': str, 'content': str}}")
         out.append({"role": m["role"], "content": m["content"]})
-    return out
+    return _recordable(out, where, name, None)
 
 
 def _ground_truth(value: Any, where: str, name: str) -> object:
-    """A scalar as its stripped text; a list (acceptable answers) or a dict (for a custom reward function) as is."""
-    if isinstance(value, (list, tuple, dict)):
+    """A scalar as its stripped text; a list (acceptable answers) or a dict (for a custom reward function) as is.
+    NaN, infinities and values JSON cannot hold are refused anywhere in it."""
+    value = _recordable(value, where, name, None)
+    if isinstance(value, (list, dict)):
         if not value:
             raise BadRow(f"{where}: field {name!r} is empty")
-        return list(value) if isinstance(value, tuple) else value
+        return value
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise BadRow(f"{where}: field {name!r} must be a string, a number, a list or a mapping, "
                      f"got {type(value).__name__}")
@@ -184,6 +300,10 @@ class ParsedRow:
     data_source: str
     id: str | None
     extra_info: dict
+    truth_field: str = "answer"
+    """The field the ground truth came from (named in errors)."""
+    converted: tuple[str, ...] = ()
+    """extra_info values recorded in another form (see _recordable), as 'where: field (type)'."""
 
 
 def parse_row(row: Any, where: str, default_source: str, keys: RowKeys = RowKeys()) -> ParsedRow:
@@ -192,21 +312,41 @@ def parse_row(row: Any, where: str, default_source: str, keys: RowKeys = RowKeys
         raise row
     if not isinstance(row, dict):
         raise BadRow(f"{where}: a row must be an object, got {type(row).__name__}")
-    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     if keys.prompt_key in row or "reward_model" in row:  # verl's layout
-        prompt = _messages(_field(row, keys.prompt_key, where), where, keys.prompt_key)
-        gt = _ground_truth(_field(row, "reward_model.ground_truth", where), where, "reward_model.ground_truth")
-        rid = row.get("id", extra.get("index"))
+        if row.get(keys.prompt_key) is None:  # most often data.prompt_key naming a column the data lacks
+            raise BadRow(f"{where}: field {keys.prompt_key!r} is missing (data.prompt_key; the row's fields: "
+                         f"{_fields_of(row)})")
+        prompt = _messages(row[keys.prompt_key], where, keys.prompt_key)
+        truth_field = "reward_model.ground_truth"
     elif "problem" in row or "answer" in row:  # plain layout
         prompt = _messages(_field(row, "problem", where), where, "problem")
-        gt = _ground_truth(_field(row, "answer", where), where, "answer")
-        rid = row.get("id")
+        truth_field = "answer"
     else:
-        raise BadRow(f"{where}: field {keys.prompt_key!r} (verl layout) or 'problem' (plain layout) is missing")
-    source = row.get(keys.reward_fn_key) or default_source
+        raise BadRow(f"{where}: field {keys.prompt_key!r} (verl layout) or 'problem' (plain layout) is missing; the "
+                     f"row's fields: {_fields_of(row)}")
+    gt = _ground_truth(_field(row, truth_field, where), where, truth_field)
+    source = _data_source(row, where, default_source, keys.reward_fn_key)
+    converted: list[str] = []
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise BadRow(f"{where}: field 'extra_info' must be a mapping, got {type(extra).__name__}")
+    extra = _recordable(extra or {}, where, "extra_info", converted)
+    rid = row.get("id", extra.get("index"))
+    rid = None if rid is None else _recordable(str(rid), where, "id", None)
+    return ParsedRow(prompt, gt, source, rid, extra, truth_field, tuple(converted))
+
+
+def _data_source(row: dict, where: str, default_source: str, key: str) -> str:
+    """The row's data source: its `key` field; the default when it has none, unless `key` was set to a field of
+    the user's own (data.reward_fn_key), which every row must then have."""
+    source = row.get(key)
+    if source is None and key != "data_source":
+        raise BadRow(f"{where}: field {key!r} is missing (data.reward_fn_key; the row's fields: {_fields_of(row)})")
+    if not source:
+        return default_source
     if not isinstance(source, str):
-        raise BadRow(f"{where}: field {keys.reward_fn_key!r} must be a string")
-    return ParsedRow(prompt, gt, source, None if rid is None else str(rid), extra)
+        raise BadRow(f"{where}: field {key!r} must be a string")
+    return _recordable(source, where, key, None)
 
 
 @dataclass(frozen=True)
@@ -236,22 +376,20 @@ def _file_tags(paths: list[Path]) -> list[str]:
     return tags
 
 
-def load_dataset(paths: str | Path | list[str | Path], tokenizer, cfg: DatasetConfig | None = None,
-                 keys: RowKeys = RowKeys(), budget: PromptBudget = PromptBudget(),
-                 custom_reward: bool = False) -> LoadedDataset:
-    """Read every row of the given files into records (see the module docstring). Without `custom_reward`, a row
-    whose data source has no built-in scorer (or whose ground truth it cannot read) is a bad row."""
+def _paths(paths: str | Path | list[str | Path]) -> list[Path]:
+    return [Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+
+
+def read_dataset(paths: str | Path | list[str | Path], cfg: DatasetConfig | None = None,
+                 keys: RowKeys = RowKeys(), custom_reward: bool = False) -> LoadedDataset:
+    """Every row of the given files read and checked, without a tokenizer (so before any model is loaded): decoded,
+    parsed, its ground truth and data source checked against the built-in scorers (without `custom_reward`), its
+    extra_info made recordable. The rows wait in `.rows` for `encode_dataset`."""
     cfg = cfg or DatasetConfig()
-    paths = [Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
-    context_limit = budget.context_limit()
-    if context_limit is not None and context_limit < 1:
-        raise UserError(f"the model's context of {budget.context_tokens} tokens leaves no room for a prompt after "
-                        f"the {budget.response_tokens}-token response budget")
-    limit, why = _limit(cfg, context_limit, budget)
     out = LoadedDataset()
     seen: set[str] = set()
+    paths = _paths(paths)
     for path, tag in zip(paths, _file_tags(paths)):
-        rows: list[tuple[str, str, str, ParsedRow]] = []  # (where, id, text, row)
         for i, row in read_rows(path):
             where = f"{path}: row {i}"
             try:
@@ -260,11 +398,7 @@ def load_dataset(paths: str | Path | list[str | Path], tokenizer, cfg: DatasetCo
                 if rid in seen:
                     raise BadRow(f"{where}: field 'id' repeats {rid!r}")
                 if not custom_reward:
-                    try:
-                        check_row(parsed.data_source, parsed.ground_truth)
-                    except ValueError as err:
-                        raise BadRow(f"{where}: field {keys.reward_fn_key!r}: {err}") from None
-                text = render_prompt(parsed.prompt, tokenizer, cfg)
+                    _check_scorer(parsed, where, keys)
             except BadRow as e:
                 if not cfg.skip_bad_rows:
                     raise
@@ -273,23 +407,58 @@ def load_dataset(paths: str | Path | list[str | Path], tokenizer, cfg: DatasetCo
                     out.errors.append(str(e))
                 continue
             seen.add(rid)
-            rows.append((where, rid, text, parsed))
-        # One tokenizer call per file: a fast tokenizer encodes the batch in parallel.
-        all_ids = tokenizer([r[2] for r in rows], add_special_tokens=False).input_ids if rows else []
-        for (where, rid, text, parsed), ids in zip(rows, all_ids):
-            if limit is not None and len(ids) > limit:
-                if cfg.overlong in ("error", "keep"):  # 'keep' has only the context's limit, which cannot be kept
-                    raise BadRow(f"{where}: field {keys.prompt_key!r} has {len(ids)} tokens > {why}")
-                if cfg.overlong == "filter":
-                    out.overlong_rows += 1
-                    continue
-                if cfg.overlong == "truncate_left":
-                    out.overlong_rows += 1
-                    ids = ids[-limit:]
-                    text = tokenizer.decode(ids)
-            out.records.append(Prompt(rid, tuple(ids), parsed.ground_truth, parsed.data_source, text,
-                                      extra_info=parsed.extra_info))
+            if parsed.converted:
+                out.converted += len(parsed.converted)
+                out.first_converted = out.first_converted or parsed.converted[0]
+            out.rows.append((where, rid, parsed))
     return out
+
+
+def _check_scorer(parsed: ParsedRow, where: str, keys: RowKeys) -> None:
+    """BadRow when no built-in scorer takes the row: its data source (none for it) or its ground truth."""
+    try:
+        check_row(parsed.data_source, parsed.ground_truth)
+    except ValueError as err:
+        name = keys.reward_fn_key if scorer_of(parsed.data_source) is None else parsed.truth_field
+        raise BadRow(f"{where}: field {name!r}: {err}") from None
+
+
+def encode_dataset(loaded: LoadedDataset, tokenizer, cfg: DatasetConfig | None = None, keys: RowKeys = RowKeys(),
+                   budget: PromptBudget = PromptBudget()) -> LoadedDataset:
+    """The rows read by read_dataset as prompt records: rendered, tokenized and held to the length limit (module
+    docstring); `loaded` gets them in `.records`."""
+    cfg = cfg or DatasetConfig()
+    context_limit = budget.context_limit()
+    if context_limit is not None and context_limit < 1:
+        raise UserError(f"the model's context of {budget.context_tokens} tokens leaves no room for a prompt after "
+                        f"the {budget.response_tokens}-token response budget")
+    limit, why = _limit(cfg, context_limit, budget)
+    texts = [render_prompt(parsed.prompt, tokenizer, cfg) for _, _, parsed in loaded.rows]
+    # One tokenizer call for the whole set: a fast tokenizer encodes the batch in parallel.
+    all_ids = tokenizer(texts, add_special_tokens=False).input_ids if texts else []
+    for (where, rid, parsed), text, ids in zip(loaded.rows, texts, all_ids):
+        if limit is not None and len(ids) > limit:
+            if cfg.overlong in ("error", "keep"):  # 'keep' has only the context's limit, which cannot be kept
+                raise BadRow(f"{where}: field {keys.prompt_key!r} has {len(ids)} tokens > {why}")
+            if cfg.overlong == "filter":
+                loaded.overlong_rows += 1
+                continue
+            if cfg.overlong == "truncate_left":
+                loaded.overlong_rows += 1
+                ids = ids[-limit:]
+                text = tokenizer.decode(ids)
+        loaded.records.append(Prompt(rid, tuple(ids), parsed.ground_truth, parsed.data_source, text,
+                                     extra_info=parsed.extra_info))
+    loaded.rows = []
+    return loaded
+
+
+def load_dataset(paths: str | Path | list[str | Path], tokenizer, cfg: DatasetConfig | None = None,
+                 keys: RowKeys = RowKeys(), budget: PromptBudget = PromptBudget(),
+                 custom_reward: bool = False) -> LoadedDataset:
+    """Read every row of the given files into records (see the module docstring). Without `custom_reward`, a row
+    whose data source has no built-in scorer (or whose ground truth it cannot read) is a bad row."""
+    return encode_dataset(read_dataset(paths, cfg, keys, custom_reward), tokenizer, cfg, keys, budget)
 
 
 def _limit(cfg: DatasetConfig, context_limit: int | None, budget: PromptBudget) -> tuple[int | None, str]:
@@ -365,7 +534,8 @@ class DataConfig:
     prompt_key: str = "prompt"
     """The field of a verl-layout row that holds the prompt (verl's data.prompt_key)."""
     reward_fn_key: str = "data_source"
-    """The field whose value picks a row's reward function (verl's data.reward_fn_key)."""
+    """The field whose value picks a row's reward function (verl's data.reward_fn_key). A row without `data_source`
+    gets prompt.default_data_source; set to another field, every row must have that field."""
     seed: int = 0
     """Seed of the synthetic task's problems and of the base model's pretraining."""
     shuffle: bool = True
@@ -393,24 +563,63 @@ class DataConfig:
         return _split_files(self.name)
 
 
-def load_records(data_cfg: DataConfig, tokenizer, cache_dir: str | Path = ".cache/treepo-ray",
+class Splits(NamedTuple):
+    """The training and held-out rows read by read_records, waiting for the tokenizer (encode_records)."""
+
+    train: LoadedDataset
+    test: LoadedDataset
+    files: int
+    """Training files (named when the training set ends up empty)."""
+
+
+def read_records(data_cfg: DataConfig, cache_dir: str | Path = ".cache/treepo-ray",
                  synthetic_rows: tuple[int, int] = (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS),
-                 budget: PromptBudget = PromptBudget(), custom_reward: bool = False
-                 ) -> tuple[list[Prompt], list[Prompt]]:
-    """Training and held-out records of the files `data_cfg` names (the synthetic task's are written first:
-    `synthetic_rows` problems seeded by data_cfg.seed, cached under `cache_dir`). Bad and overlong rows raise or
-    are counted as data_cfg.prompt says; see load_dataset for `budget` and `custom_reward`."""
+                 custom_reward: bool = False) -> Splits:
+    """Every row of the files `data_cfg` names, read and checked (read_dataset) with no model needed: a bad row is
+    named before anything slow starts. The synthetic task's files are written first (`synthetic_rows` problems
+    seeded by data_cfg.seed, cached under `cache_dir`)."""
     train_files, test_files = data_cfg.files(cache_dir, synthetic_rows)
     keys = RowKeys(data_cfg.prompt_key, data_cfg.reward_fn_key)
-    load = lambda files: load_dataset(files, tokenizer, data_cfg.prompt, keys, budget, custom_reward)  # noqa: E731
-    train_set = load(train_files)
-    test_set = load(test_files) if test_files else LoadedDataset()
-    for split, loaded in (("train", train_set), ("test", test_set)):
+    read = lambda files: read_dataset(files, data_cfg.prompt, keys, custom_reward)  # noqa: E731
+    splits = Splits(read(train_files), read(test_files) if test_files else LoadedDataset(), len(train_files))
+    for split, loaded in (("train", splits.train), ("test", splits.test)):
+        if loaded.converted:  # said once, so that a reward function's author knows the form it gets
+            print(f"data: {split} split: {loaded.converted} extra_info values that JSON has no form for are passed "
+                  f"on as JSON (timestamps, dates and times as ISO 8601 text, durations as seconds, decimals as text, "
+                  f"bytes as base64); first: {loaded.first_converted}", file=sys.stderr)
+    if not splits.train.rows:
+        _empty(splits)
+    return splits
+
+
+def encode_records(data_cfg: DataConfig, splits: Splits, tokenizer, budget: PromptBudget = PromptBudget()
+                   ) -> tuple[list[Prompt], list[Prompt]]:
+    """The training and held-out records of rows read by read_records (encode_dataset); bad and overlong rows that
+    were skipped are counted out loud."""
+    keys = RowKeys(data_cfg.prompt_key, data_cfg.reward_fn_key)
+    for loaded in splits[:2]:
+        encode_dataset(loaded, tokenizer, data_cfg.prompt, keys, budget)
+    for split, loaded in (("train", splits.train), ("test", splits.test)):
         if loaded.bad_rows or loaded.overlong_rows:  # skipped rows are counted out loud, never silently
             first = f"; first: {loaded.errors[0]}" if loaded.errors else ""
             print(f"data: {split} split: {loaded.bad_rows} bad rows skipped, {loaded.overlong_rows} over the prompt "
                   f"length limit{first}", file=sys.stderr)
-    if not train_set.records:
-        raise UserError(f"data: the training set is empty ({len(train_files)} file(s), {train_set.bad_rows} bad rows "
-                        f"and {train_set.overlong_rows} over the prompt length limit skipped)")
-    return train_set.records, test_set.records
+    if not splits.train.records:
+        _empty(splits)
+    return splits.train.records, splits.test.records
+
+
+def _empty(splits: Splits) -> None:
+    train = splits.train
+    raise UserError(f"data: the training set is empty ({splits.files} file(s), {train.bad_rows} bad rows and "
+                    f"{train.overlong_rows} over the prompt length limit skipped)")
+
+
+def load_records(data_cfg: DataConfig, tokenizer, cache_dir: str | Path = ".cache/treepo-ray",
+                 synthetic_rows: tuple[int, int] = (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS),
+                 budget: PromptBudget = PromptBudget(), custom_reward: bool = False
+                 ) -> tuple[list[Prompt], list[Prompt]]:
+    """Training and held-out records of the files `data_cfg` names: read_records, then encode_records. Bad and
+    overlong rows raise or are counted as data_cfg.prompt says; see load_dataset for `budget` and `custom_reward`."""
+    splits = read_records(data_cfg, cache_dir, synthetic_rows, custom_reward)
+    return encode_records(data_cfg, splits, tokenizer, budget)

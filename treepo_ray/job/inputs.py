@@ -1,13 +1,16 @@
 """The job's inputs as the user named them: the model, the prompts and the reward function, checked before anything
 slow starts (so that a mistake is one UserError line, not a traceback after the base model and Ray are up) and then
-loaded. Shared by `treepo-ray train` (runtime/cluster.py set_up) and `treepo-ray eval` (job/evaluate.py)."""
+loaded. Every data row is read and checked before the model is resolved (data/datasets.py read_records), and
+`treepo-ray train` loads the job before it creates the run directory or starts Ray (runtime/train.py), so a bad
+input leaves nothing behind. Shared by `treepo-ray train` and `treepo-ray eval` (job/evaluate.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from treepo_ray.config import UserError
-from treepo_ray.data.datasets import SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, load_records
+from treepo_ray.data.datasets import (SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, Splits,
+                                     encode_records, read_records)
 from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.hub import model_context_length, resolve_model_path
 from treepo_ray.job.config import TrainConfig
@@ -45,12 +48,19 @@ def resolve_model(cfg: TrainConfig) -> str:
     return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed, cfg=base_model_config(cfg.data.name)))
 
 
-def load_prompts(cfg: TrainConfig, model_path: str, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-    """The training and held-out prompts, each checked against the model's context (less the response budget)
-    and, without a custom reward function, against the built-in scorers."""
-    budget = PromptBudget(model_context_length(model_path), cfg.sampler_config.response_limit())
-    return load_records(cfg.data, tokenizer, cache_dir=cfg.model.cache_dir, budget=budget,
+def read_prompts(cfg: TrainConfig) -> Splits:
+    """Every row of the training and held-out data read and checked, with no model needed (decoding, fields,
+    ground truths, extra_info; without a custom reward function, the built-in scorers)."""
+    return read_records(cfg.data, cfg.model.cache_dir, (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS),
                         custom_reward=cfg.custom_reward_function.enabled)
+
+
+def load_prompts(cfg: TrainConfig, model_path: str, tokenizer, splits: Splits | None = None
+                 ) -> tuple[list[Prompt], list[Prompt]]:
+    """The training and held-out prompts (of `splits`, else read now), each checked against the model's context
+    (less the response budget)."""
+    budget = PromptBudget(model_context_length(model_path), cfg.sampler_config.response_limit())
+    return encode_records(cfg.data, read_prompts(cfg) if splits is None else splits, tokenizer, budget)
 
 
 @dataclass
@@ -66,12 +76,13 @@ class Job:
 
 
 def load_job(cfg: TrainConfig) -> Job:
-    """The inputs checked, then the model (the tiny base model is built first: it uses every core), its tokenizer
-    and the task's prompts."""
+    """The inputs checked and every row read, then the model (the tiny base model is built first: it uses every
+    core), its tokenizer and the task's prompts."""
     from transformers import AutoTokenizer
 
     check_inputs(cfg)
+    splits = read_prompts(cfg)  # a bad row is named before the base model is built or the tokenizer loaded
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_set, test_set = load_prompts(cfg, model_path, tokenizer)
+    train_set, test_set = load_prompts(cfg, model_path, tokenizer, splits)
     return Job(cfg, model_path, tokenizer, train_set, test_set[: cfg.trainer.eval_size])

@@ -11,8 +11,9 @@ node reaches: the learner ranks write checkpoints there, this driver lists, prun
 SIGKILL) is resumed with `trainer.resume=auto`: the same step, data position and W&B run, and the batches that were
 waiting for the learner at the checkpoint are trained as they were grown.
 
-    run:  run directory and its lock -> inputs and Ray (cluster.py) -> the run's actors (supervisor.py) -> the loop
-          over them (loop.py: batches from batches.py, evaluations from evaluator.py) -> the trainer (job/trainer.py)
+    run:  inputs (job/inputs.py: checked and loaded) -> run directory and its lock -> Ray (cluster.py) -> the run's
+          actors (supervisor.py) -> the loop over them (loop.py: batches from batches.py, evaluations from
+          evaluator.py) -> the trainer (job/trainer.py)
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import NamedTuple
 
 from treepo_ray import storage
 from treepo_ray.job.config import TrainConfig, parse_config, print_config
-from treepo_ray.job.inputs import Job
+from treepo_ray.job.inputs import Job, load_job
 from treepo_ray.job.rundir import RunLock, RunRecord, resolve_run
 from treepo_ray.job.trainer import Trainer
-from treepo_ray.runtime.cluster import ray_gauges, set_up
+from treepo_ray.runtime.cluster import init_ray, ray_gauges
 
 
 class Runtime(NamedTuple):
@@ -54,11 +55,13 @@ def run(cfg: TrainConfig, observe=None) -> dict:
     """Train as configured; returns (and writes to <run_dir>/summary.json) the run's summary. `observe(batch,
     metrics)`, if given, sees every trained step (the chaos benchmark compares runs with it)."""
     run_dir, resume_from = resolve_run(cfg)
+    # The inputs before the run directory: a bad path, row or value is one line that leaves nothing behind.
+    job = load_job(cfg)
     with contextlib.ExitStack() as cleanup:
-        # One run per run directory: a second one is refused here, before any work, naming the holder.
+        # One run per run directory: a second one is refused here, before Ray and any actor, naming the holder.
         lock = RunLock(run_dir, storage.name_of(run_dir), cfg.trainer.lock_stale_s).acquire()
         cleanup.callback(lock.release)
-        job = set_up(cfg)
+        init_ray(cfg)
         rt = start_runtime(cfg, job)
         cleanup.callback(rt.supervisor.shutdown)
         rt.supervisor.learner.check_storage(run_dir)
