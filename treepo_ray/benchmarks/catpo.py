@@ -38,6 +38,7 @@ import numpy as np
 from treepo_ray.benchmarks.common import parse_job_args, write_json
 from treepo_ray.algo.catpo import score_tree
 from treepo_ray.job.config import CONFIG_DIR, AlgoConfig, TrainConfig
+from treepo_ray.job.redact import redacted_overrides
 
 DEFAULT = CONFIG_DIR / "catpo_cpu.yaml"
 NO_CRITIQUE = Path(__file__).resolve().parents[1] / "healing" / "prompts_no_critique.yaml"
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.time()
     result = run(cfg, args.steps or cfg.trainer.steps, args.h1_trees)
-    result.update(config=args.config, overrides=args.overrides, wall_s=time.time() - started)
+    result.update(config=args.config, overrides=redacted_overrides(args.overrides, cfg.log.redact_keys),
+                  wall_s=time.time() - started)
     print(summary(result))
     write_json(args.json, result)
     return 0

@@ -39,6 +39,7 @@ import numpy as np
 
 from treepo_ray.algo import ALGORITHMS
 from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.job.redact import redacted_overrides
 
 DEFAULT_ALGOS = ("grpo", "dapo", "treepo")
 BASELINE = "grpo"
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         algos[algo]["runs"][-1]["started_s"] = round(run_started, 1)
     eval_engines = evaluate_runs(job, first, [r for a in algos.values() for r in a["runs"]], base)
     summarise(algos)
-    result = {"config": args.config, "overrides": overrides, "model": job.model_path,
+    result = {"config": args.config, "overrides": redacted_overrides(overrides, first.log.redact_keys),
+              "model": job.model_path,
               "budget": {"wall_s": args.budget_s} if args.budget_tokens is None else {"tokens": args.budget_tokens},
               "eval": f"pass@1: mean of {tr.eval_samples} answers per problem at temperature {tr.eval_temperature}, "
                       f"{len(job.test_set)} held-out problems, at {args.eval_points} evenly spaced points of the budget "

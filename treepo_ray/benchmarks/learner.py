@@ -47,6 +47,7 @@ import numpy as np
 
 from treepo_ray.benchmarks.common import parse_job_args, write_json
 from treepo_ray.job.config import TrainConfig, load_config
+from treepo_ray.job.redact import redacted_overrides
 
 CONFIGS = ("a", "b", "c")
 MODES = ("packed", "unpacked")
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = resolve_model(cfg)
     vocab = 200  # token ids of b and c: inside the tiny model's byte vocabulary
     rng = np.random.default_rng(args.seed)
-    result: dict = {"model": model_path, "config": args.config, "overrides": args.overrides, "threads": args.threads,
+    result: dict = {"model": model_path, "config": args.config,
+                    "overrides": redacted_overrides(args.overrides, cfg.log.redact_keys), "threads": args.threads,
                     "rounds": args.rounds, "steps": args.steps, "configs": {}}
     for name in configs:
         print(f"config {name}", flush=True)
