@@ -1,7 +1,9 @@
 """Run storage (treepo_ray/storage.py) on a local path and through pyarrow.fs (a file:// URI takes the object-store
 code path: no rename, one PUT per file, a marker written last)."""
 
+import concurrent.futures
 import os
+import threading
 
 import pytest
 
@@ -52,3 +54,30 @@ def test_a_folder_counts_once_its_marker_is_committed(root):
     assert (local / "sub" / "part").read_text() == "p" and temporary == storage.is_uri(final)
     if not temporary:
         assert not os.path.exists(staging)  # renamed into place
+
+
+def test_of_callers_racing_to_create_one_name_exactly_one_wins(root):
+    """create_exclusive, the run lock's primitive: 8 threads race for each of 30 names; exactly one creates each, and
+    the file holds the winner's whole text."""
+    names = [storage.join(root, "race", f"run.lock.{k:08d}") for k in range(30)]
+    barrier = threading.Barrier(8)
+
+    def contender(i: int) -> list[str]:
+        won = []
+        for name in names:
+            barrier.wait()
+            if storage.create_exclusive(name, f"holder {i} " + "x" * 4096):
+                won.append(name)
+        return won
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        winners = [(i, name) for i, won in enumerate(pool.map(contender, range(8))) for name in won]
+    assert sorted(name for _, name in winners) == names
+    for i, name in winners:
+        assert storage.read_text(name) == f"holder {i} " + "x" * 4096
+    assert storage.list_names(storage.join(root, "race")) == [storage.name_of(n) for n in names]  # no temporaries
+
+
+def test_a_store_without_an_atomic_create_is_refused():
+    with pytest.raises(storage.UnsupportedStorage, match="mock:// storage has no atomic create-if-absent"):
+        storage.create_exclusive("mock://bucket/run/run.lock.00000001", "holder")

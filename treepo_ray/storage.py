@@ -11,10 +11,14 @@ What a write guarantees:
   into place whole (`staging_dir` / `push` / `commit`).
 - URIs (object stores): there is no rename, but one object PUT is atomic. A folder is uploaded file by file, and the
   marker file written last by `commit` is what makes it exist for readers (who look for the marker).
+- `create_exclusive` (the run lock's one primitive): of callers racing to create one name, exactly one wins, on
+  every kind of storage (a hard link locally, a conditional PUT on object stores); no check-then-write anywhere.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 import shutil
 import tempfile
@@ -108,44 +112,155 @@ def write_bytes(location: str, data: bytes) -> None:
         with filesystem.open_output_stream(path) as f:  # one PUT: atomic on object stores
             f.write(data)
         return
-    folder = os.path.dirname(location) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(location)}.")
+    tmp = _synced_temp(location, data)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, location)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(folder)
+    fsync_dir(os.path.dirname(location) or ".")
 
 
 def write_text(location: str, text: str) -> None:
     write_bytes(location, text.encode())
 
 
+class UnsupportedStorage(ValueError):
+    """The storage cannot do what the run needs (an atomic create-if-absent, for the run lock)."""
+
+
 def create_exclusive(location: str, text: str) -> bool:
-    """Create the file `location` holding `text` unless it exists; True if this call created it. Local paths:
-    O_CREAT|O_EXCL, so of two racing callers exactly one wins. Object stores have no such primitive here: the file
-    is written if absent and read back, which catches all but a race within one round trip."""
-    if is_uri(location):
-        if exists(location):
-            return False
-        write_text(location, text)
-        return read_text(location) == text
-    os.makedirs(os.path.dirname(location) or ".", exist_ok=True)
+    """Create the file `location` holding `text` unless it exists; True if this call created it. Of racing callers
+    exactly one wins, and no reader sees the name before its whole text. Local paths (and file:// URIs): a
+    temporary file fsynced, then hard-linked to the name (link fails when the name exists). Object stores: one
+    conditional PUT, which the store refuses when the object exists (s3://: If-None-Match: *, through botocore;
+    gs://: ifGenerationMatch=0, through google-auth). Other stores raise UnsupportedStorage."""
+    scheme = location.split("://", 1)[0] if is_uri(location) else ""
+    if scheme in ("", "file"):
+        return _link_exclusive(_arrow(location)[1] if scheme else location, text.encode())
+    if scheme == "s3":
+        return _s3_create(location, text.encode())
+    if scheme == "gs":
+        return _gcs_create(location, text.encode())
+    raise UnsupportedStorage(f"{location}: {scheme}:// storage has no atomic create-if-absent here (the run "
+                             "directory's lock needs one); use a local or shared path, s3:// or gs://")
+
+
+def _synced_temp(path: str, data: bytes) -> str:
+    """A temporary file beside `path` (its folder made if missing) holding `data`, fsynced: what goes into place."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.")
     try:
-        fd = os.open(location, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _link_exclusive(path: str, data: bytes) -> bool:
+    folder = os.path.dirname(path) or "."
+    tmp = _synced_temp(path, data)
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as err:  # a file system without hard links (some FUSE mounts): O_EXCL, then the text
+            if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            return _excl_create(path, data)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    fsync_dir(folder)
+    return True
+
+
+def _excl_create(path: str, data: bytes) -> bool:
+    """O_CREAT|O_EXCL: one racing caller wins, but a reader may see the name empty for a moment."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(os.path.dirname(location) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
+    return True
+
+
+def _bucket_and_key(location: str) -> tuple[str, str]:
+    bucket, _, key = location.split("://", 1)[1].partition("/")
+    return bucket, key
+
+
+@functools.lru_cache(maxsize=1)
+def _s3_client():
+    """botocore's S3 client, configured as pyarrow's is: the AWS_* environment and config files (AWS_ENDPOINT_URL
+    for an S3-compatible store)."""
+    try:
+        import botocore.session
+    except ImportError as err:
+        raise UnsupportedStorage("s3:// run storage needs botocore for the run lock's conditional write: "
+                                 "pip install botocore") from err
+    return botocore.session.get_session().create_client("s3")
+
+
+def _s3_create(location: str, data: bytes) -> bool:
+    client = _s3_client()  # first: it says what to install when botocore is missing
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = _bucket_and_key(location)
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    except ClientError as err:
+        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status in (412, 409):  # exists; or 409: another conditional write of the key was under way (it wins)
+            return False
+        raise OSError(f"{location}: {err}") from err
+    except BotoCoreError as err:
+        raise OSError(f"{location}: {err}") from err
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _gcs_session():
+    """An authorized HTTP session for GCS's JSON API (application default credentials), or a plain one for the
+    emulator named by STORAGE_EMULATOR_HOST."""
+    import requests
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return requests.Session()
+    try:
+        import google.auth
+        from google.auth.transport.requests import AuthorizedSession
+    except ImportError as err:
+        raise UnsupportedStorage("gs:// run storage needs google-auth for the run lock's conditional write: "
+                                 "pip install google-auth") from err
+    credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+    return AuthorizedSession(credentials)
+
+
+def _gcs_create(location: str, data: bytes) -> bool:
+    import requests
+
+    bucket, name = _bucket_and_key(location)
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com").rstrip("/")
+    try:
+        answer = _gcs_session().post(f"{host}/upload/storage/v1/b/{bucket}/o", data=data, timeout=60,
+                                     params={"uploadType": "media", "name": name, "ifGenerationMatch": "0"},
+                                     headers={"Content-Type": "application/octet-stream"})
+    except requests.RequestException as err:
+        raise OSError(f"{location}: {err}") from err
+    if answer.status_code == 412:  # the object exists
+        return False
+    if not answer.ok:
+        raise OSError(f"{location}: GCS answered {answer.status_code}: {answer.text[:300]}")
     return True
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from treepo_ray import config as config_io
 from treepo_ray.job.config import DEFAULT_CONFIG, load_config
+from treepo_ray.learner.checkpoint import COMPLETE_MARKER
 from treepo_ray.job.rundir import (
     LOCK,
     LogMirror,
@@ -22,8 +23,10 @@ from treepo_ray.job.rundir import (
     RunLock,
     RunLocked,
     RunRecord,
+    _process_start,
     config_changes,
     load_pending,
+    lock_holder,
     prune_run,
     resolve_run,
     save_pending,
@@ -37,10 +40,16 @@ def holder_process():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
+def lock_files(run: Path) -> dict[str, dict]:
+    """The run directory's lock files and what each says."""
+    return {p.name: json.loads(p.read_text()) for p in sorted(run.glob("run.lock*"))}
+
+
 def test_a_second_run_is_refused_naming_the_holder(tmp_path):
     run = str(tmp_path / "run")
     other = holder_process()
     try:
+        # The single run.lock of the version before generations still counts (a run of it may be alive).
         held = {"host": socket.gethostname(), "pid": other.pid, "run": "treepo-first", "token": "t",
                 "started": "2026-11-30 10:00:00", "heartbeat": time.time()}
         (tmp_path / "run").mkdir()
@@ -51,31 +60,81 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path):
     finally:
         other.kill()
         other.wait()
-    # Its process is gone (a driver killed by SIGKILL): the lock is taken over.
+    # Its process is gone (a driver killed by SIGKILL): the lock is taken over, the old file deleted.
     lock = RunLock(run, "treepo-second", 300).acquire()
-    assert json.loads((tmp_path / "run" / LOCK).read_text())["run"] == "treepo-second"
+    assert list(lock_files(tmp_path / "run")) == ["run.lock.00000001"]
+    assert lock_holder(run)[1]["run"] == "treepo-second"
     with pytest.raises(RunLocked, match="in use by run 'treepo-second'"):
         RunLock(run, "treepo-third", 300).acquire()  # the same host, a live holder (this process)
     lock.release()
-    assert not (tmp_path / "run" / LOCK).exists()
+    assert lock_files(tmp_path / "run")["run.lock.00000001"]["released"]
+    # A released lock is taken without a word, by the next generation.
+    third = RunLock(run, "treepo-third", 300).acquire()
+    assert list(lock_files(tmp_path / "run")) == ["run.lock.00000002"] and third.path.endswith("run.lock.00000002")
+    third.release()
+
+
+def test_a_live_holder_on_this_host_is_never_taken_over_however_old_its_heartbeat(tmp_path, capsys):
+    run = tmp_path / "run"
+    other = holder_process()
+    try:
+        mine = RunLock(str(run), "probe", 300).info  # what this host writes about a process of its own
+        paused = {**mine, "pid": other.pid, "pid_started": _process_start(other.pid), "run": "paused",
+                  "heartbeat": time.time() - 86400}
+        run.mkdir()
+        (run / "run.lock.00000003").write_text(json.dumps(paused))
+        with pytest.raises(RunLocked, match="in use by run 'paused'"):
+            RunLock(str(run), "second", stale_s=60).acquire()
+        assert stale_reason(paused, 60) is None
+        # The same pid started at another time is another process: its holder has exited.
+        reused = {**paused, "pid_started": "1"}
+        assert stale_reason(reused, 60) == f"its process {other.pid} on this host has exited"
+        (run / "run.lock.00000003").write_text(json.dumps(reused))
+        lock = RunLock(str(run), "second", stale_s=60).acquire()
+        assert "taking over the lock" in capsys.readouterr().out and lock.path.endswith("run.lock.00000004")
+        lock.release()
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_holder_on_another_host_is_stale_only_when_its_heartbeat_is(tmp_path):
     now = time.time()
-    away = {"host": "another-host", "pid": 1, "heartbeat": now - 100}
+    away = {"host": "another-host", "machine": "another-host/boot/pid:[1]", "pid": 1, "heartbeat": now - 100}
     assert stale_reason(away, 300, now) is None
     assert "last heartbeat was 400s ago" in stale_reason({**away, "heartbeat": now - 400}, 300, now)
     lock = RunLock(str(tmp_path / "run"), "r", stale_s=1.0).acquire()  # its thread renews the heartbeat
     try:
-        first = first_lock(tmp_path)["heartbeat"]
-        assert wait_until(lambda: first_lock(tmp_path)["heartbeat"] > first)  # renewed: a beat just happened
-        # Taken over by another run (this one looked dead): the next beat notices, and says by whom.
-        (tmp_path / "run" / LOCK).write_text(json.dumps({**first_lock(tmp_path), "token": "x", "run": "thief"}))
+        first = lock_holder(lock.run_dir)[1]["heartbeat"]
+        assert wait_until(lambda: lock_holder(lock.run_dir)[1]["heartbeat"] > first)  # renewed: a beat happened
+        # Taken over by another run (this one looked dead): a generation above ours. The next beat notices, says by
+        # whom, and never writes into the other run's file.
+        thief = {**away, "run": "thief", "token": "x", "heartbeat": time.time()}
+        (tmp_path / "run" / "run.lock.00000002").write_text(json.dumps(thief))
         assert wait_until(lambda: lock.lost)
         assert "taken over by run 'thief'" in lock.lost
     finally:
         lock.release()
-    assert first_lock(tmp_path)["run"] == "thief"  # not ours any more: left alone
+    files = lock_files(tmp_path / "run")
+    assert files["run.lock.00000002"] == thief  # not ours: left alone
+    assert "released" not in files["run.lock.00000001"]  # nor is ours marked released: it was not ours any more
+
+
+def test_a_holder_that_cannot_renew_its_heartbeat_gives_the_lock_up_before_others_may_take_it(tmp_path):
+    lock = RunLock(str(tmp_path / "run"), "r", stale_s=1.0).acquire()
+    try:
+        Path(lock.path).unlink()
+        Path(lock.path).mkdir()  # its file cannot be replaced any more: every beat fails (a real OSError)
+        assert wait_until(lambda: lock.lost)
+        assert lock.lost.startswith(f"the lock of {tmp_path / 'run'} could not be renewed for ")
+        assert "another run may take it over" in lock.lost
+    finally:
+        lock.release()
+
+
+def test_a_store_without_an_atomic_create_is_refused(tmp_path):
+    with pytest.raises(RunDirError, match=r"mock:// storage has no atomic create-if-absent"):
+        RunLock("mock://bucket/run", "r", 300).acquire()
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> bool:
@@ -85,10 +144,6 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-def first_lock(tmp_path: Path) -> dict:
-    return json.loads((tmp_path / "run" / LOCK).read_text())
 
 
 def test_identity_settings_break_a_resume_and_the_rest_may_change():
@@ -101,13 +156,23 @@ def test_identity_settings_break_a_resume_and_the_rest_may_change():
     assert {line.split(":")[0] for line in other} >= {"learner.lr", "trainer.steps", "runtime.num_engines"}
 
 
+def fake_checkpoint(run: Path, step: int) -> Path:
+    """The files a checkpoint's restore reads, by name (their contents are not read here)."""
+    folder = run / f"checkpoint-{step:08d}"
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "optimizer.pt"):
+        (folder / name).write_bytes(b"")
+    (folder / "learner_state.json").write_text('{"world_size": 1, "optimizer_format": "full"}')
+    (folder / COMPLETE_MARKER).write_text("{}")
+    return folder
+
+
 def fake_run(root: Path, name: str, overrides=(), checkpoint=True) -> str:
     run = root / name
     run.mkdir(parents=True)
     write_config(str(run), config_io.to_dict(load_config(DEFAULT_CONFIG, list(overrides))), None, 0)
     if checkpoint:
-        (run / "checkpoint-00000004").mkdir()
-        (run / "checkpoint-00000004" / "trainer_state.json").write_text("{}")
+        fake_checkpoint(run, 4)
     return str(run)
 
 
@@ -133,6 +198,23 @@ def test_resume_auto_takes_the_newest_compatible_run_and_says_why_it_passes_othe
     assert ckpt is None and fresh.startswith(f"{tmp_path}/other/treepo-")
 
 
+def test_resume_auto_passes_over_a_held_run_and_a_checkpoint_that_cannot_be_read(tmp_path, capsys):
+    older = fake_run(tmp_path, "treepo-20261130-090000")
+    fake_checkpoint(Path(older), 6)
+    (Path(older) / "checkpoint-00000006" / "optimizer.pt").unlink()  # lost after it was written
+    held = fake_run(tmp_path, "treepo-20261130-100000")
+    lock = RunLock(held, "treepo-20261130-100000", 300).acquire()
+    try:
+        cfg = load_config(DEFAULT_CONFIG, [f"trainer.storage_path={tmp_path}", "trainer.resume=auto"])
+        assert resolve_run(cfg) == (older, f"{older}/checkpoint-00000004")
+    finally:
+        lock.release()
+    out = capsys.readouterr().out
+    assert f"not resuming {held}: run 'treepo-20261130-100000' holds it (host {socket.gethostname()}" in out
+    assert (f"checkpoint {older}/checkpoint-00000006 cannot be read (optimizer.pt missing): falling back to the one "
+            "before it") in out
+
+
 def test_relative_storage_paths_resolve_on_the_driver(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir, _ = resolve_run(load_config(DEFAULT_CONFIG, ["trainer.storage_path=shared/runs"]))
@@ -148,8 +230,7 @@ def test_the_wandb_id_and_the_waiting_batches_outlive_the_driver(tmp_path):
     assert load_pending(run, "pending-00000004.json.gz") == batches
     save_pending(run, 2, batches)  # of a checkpoint that gets pruned
     for step in (2, 4):
-        (tmp_path / "run" / f"checkpoint-{step:08d}").mkdir()
-        (tmp_path / "run" / f"checkpoint-{step:08d}" / "trainer_state.json").write_text("{}")
+        fake_checkpoint(tmp_path / "run", step)
     prune_run(run, keep=1)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-00000004", "pending-00000004.json.gz",
                                                                     "run.json"]

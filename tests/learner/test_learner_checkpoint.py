@@ -24,14 +24,29 @@ from treepo_ray.learner import (
     list_checkpoints,
     prune_checkpoints,
 )
+from treepo_ray.learner.checkpoint import COMPLETE_MARKER, LEGACY_MARKER, step_of, unreadable_reason
 from learner_testlib import params, samples
 
 
-def _fake_checkpoint(run_dir, step, complete=True):
+def _fake_checkpoint(run_dir, step, complete=True, marker=COMPLETE_MARKER):
+    """A checkpoint folder with the files a restore reads, by name (their contents are not read here)."""
     path = Path(checkpoint_dir(run_dir, step))
     path.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "optimizer.pt"):
+        (path / name).write_bytes(b"")
+    (path / "learner_state.json").write_text('{"world_size": 1, "optimizer_format": "full"}')
     if complete:
-        (path / "trainer_state.json").write_text("{}")
+        (path / marker).write_text("{}")
+    return path
+
+
+def _hf_checkpoint(run_dir, name, complete=True):
+    """A Hugging Face Trainer checkpoint: its own trainer_state.json, no learner_state.json."""
+    path = Path(run_dir) / name
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"")
+    if complete:
+        (path / "trainer_state.json").write_text('{"global_step": 500}')
     return path
 
 
@@ -51,6 +66,38 @@ def test_latest_and_prune(tmp_path):
     assert not incomplete.exists() and not stale.exists()
     with pytest.raises(ValueError, match="keep"):
         prune_checkpoints(tmp_path, keep=0)
+
+
+def test_other_tools_checkpoints_are_never_listed_resumed_or_pruned(tmp_path):
+    """A run directory that also holds the Hugging Face Trainer's checkpoints (their marker is trainer_state.json,
+    this project's marker before 12/2026): only this project's folders count, old ones included."""
+    hf = [_hf_checkpoint(tmp_path, "checkpoint-500"), _hf_checkpoint(tmp_path, "checkpoint-900", complete=False),
+          _hf_checkpoint(tmp_path, "checkpoint-00000700")]  # even under a name of this project's form
+    old = _fake_checkpoint(tmp_path, 2, marker=LEGACY_MARKER)  # written before the marker was renamed
+    new = _fake_checkpoint(tmp_path, 3)
+    assert list_checkpoints(tmp_path) == [(2, str(old)), (3, str(new))]
+    assert latest_checkpoint(tmp_path) == str(new)
+    assert prune_checkpoints(tmp_path, keep=1) == [str(old)]
+    assert all(p.is_dir() for p in hf) and (hf[0] / "trainer_state.json").is_file()
+    prune_checkpoints(tmp_path, keep=1)  # and again: nothing of theirs is "unfinished" to this project
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000003", "checkpoint-00000700",
+                                                          "checkpoint-500", "checkpoint-900"]
+
+
+def test_a_checkpoint_that_cannot_be_read_falls_back_to_the_one_before(tmp_path, capsys):
+    first, second, third = (_fake_checkpoint(tmp_path, s) for s in (1, 2, 3))
+    (third / "model.safetensors").unlink()
+    (second / COMPLETE_MARKER).write_text("{cut off")
+    assert unreadable_reason(third) == "model.safetensors missing"
+    assert unreadable_reason(second).startswith("JSONDecodeError")
+    assert latest_checkpoint(tmp_path) == str(first)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"checkpoint {third} cannot be read (model.safetensors missing): falling back to the one before it",
+                   f"checkpoint {second} cannot be read ({unreadable_reason(second)}): falling back to the one "
+                   "before it"]
+    assert latest_checkpoint(tmp_path, before=1) is None and step_of(third) == 3
+    (first / "learner_state.json").unlink()
+    assert latest_checkpoint(tmp_path) is None
 
 
 @pytest.mark.slow
@@ -81,6 +128,11 @@ def test_checkpoint_round_trip_resumes_identically(tiny, tmp_path):
         {"optimizer_steps": 1, "world_size": 1, "optimizer_format": "full"}
     assert state["learner_config"]["weight_decay"] == 0.01
     AutoModelForCausalLM.from_pretrained(path)
+    assert COMPLETE_MARKER in files and LEGACY_MARKER not in files
+    # A checkpoint written before the marker was renamed (trainer_state.json beside learner_state.json) resumes.
+    (path / COMPLETE_MARKER).rename(path / LEGACY_MARKER)
+    assert latest_checkpoint(tmp_path) == str(path)
+    assert Learner(tiny, cfg).load_checkpoint(path) == {"step": 1, "dataset_pos": 40}
 
 
 @pytest.mark.slow
@@ -93,7 +145,7 @@ def test_failed_save_keeps_previous_checkpoint(tiny, tmp_path):
     (tmp_path / ".checkpoint-00000005.tmp").write_text("in the way")
     with pytest.raises(RuntimeError, match="could not write checkpoint .*previous checkpoint is untouched"):
         learner.save_checkpoint(final, {"step": 6})
-    assert json.loads((final / "trainer_state.json").read_text()) == {"step": 5}
+    assert json.loads((final / COMPLETE_MARKER).read_text()) == {"step": 5}
     assert Learner(tiny, LearnerConfig(lr=1e-3)).load_checkpoint(final) == {"step": 5}
     with pytest.raises(ValueError, match="not JSON-serialisable"):
         learner.save_checkpoint(final, {"step": object()})
@@ -126,7 +178,7 @@ def test_a_checkpoint_through_an_object_store_uri_commits_with_its_marker_last(t
     run = f"file://{tmp_path}/bucket/run"
     where = a.save_checkpoint(checkpoint_dir(run, 1), {"step": 1})
     assert where == f"{run}/checkpoint-00000001" and latest_checkpoint(run) == where
-    assert (tmp_path / "bucket/run/checkpoint-00000001/trainer_state.json").is_file()
+    assert (tmp_path / "bucket/run/checkpoint-00000001" / COMPLETE_MARKER).is_file()
     assert not list((tmp_path / "local").iterdir())  # the local staging folder is gone
     draw = torch.rand(2)
     b = Learner(tiny, cfg)
@@ -137,7 +189,7 @@ def test_a_checkpoint_through_an_object_store_uri_commits_with_its_marker_last(t
         torch.testing.assert_close(v, dict(a.model.named_parameters())[k].detach(), atol=0, rtol=0)
     # A write cut off before its marker (here: the marker removed) is no checkpoint, and pruning removes it.
     a.save_checkpoint(checkpoint_dir(run, 2), {"step": 2})
-    (tmp_path / "bucket/run/checkpoint-00000002/trainer_state.json").unlink()
+    (tmp_path / "bucket/run/checkpoint-00000002" / COMPLETE_MARKER).unlink()
     assert latest_checkpoint(run) == where
     prune_checkpoints(run, keep=1)
     assert sorted(p.name for p in (tmp_path / "bucket/run").iterdir()) == ["checkpoint-00000001"]

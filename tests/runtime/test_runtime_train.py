@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from treepo_ray.job.config import load_config
+from treepo_ray.job.rundir import lock_holder
 from treepo_ray.job.viz import main as viz_main
 from treepo_ray.learner import list_checkpoints
+from treepo_ray.learner.checkpoint import COMPLETE_MARKER
 from treepo_ray.job.trainer import format_summary
 from treepo_ray.runtime.cluster import gauge_name
 from treepo_ray.runtime.train import main as train_main
@@ -41,7 +43,7 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     assert train_main(args + ["trainer.stop_after=2"]) == 1  # stopped early on purpose: not completed
     (step, ckpt), = list_checkpoints(run)  # older ones pruned to keep_checkpoints=1
     ckpt = Path(ckpt)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = json.loads((ckpt / COMPLETE_MARKER).read_text())
     # "pending": the batch already grown for step 3 (max_staleness 1), when it was waiting in the queue
     assert set(state) - {"pending"} == {"step", "data_position", "elapsed_s", "trajectories", "base_eval", "seed"}
     assert step == 2 and state["step"] == 2 and state["data_position"] == 8
@@ -79,7 +81,7 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     wandb_id = json.loads((run / "run.json").read_text())["wandb_id"]
     runs = list((run / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and {p.name.rsplit("-", 1)[1] for p in runs} == {wandb_id}
-    assert summary["wandb_run_id"] == wandb_id and not (run / "run.lock").exists()
+    assert summary["wandb_run_id"] == wandb_id and lock_holder(str(run))[1]["released"]
 
     assert viz_main([str(run)]) == 0 and "<svg" in (run / "trees.html").read_text()
 
@@ -140,7 +142,7 @@ def test_a_driver_killed_by_sigkill_resumes_the_same_step_data_position_and_wand
     try:
         deadline = time.monotonic() + 300
         while killed_at is None and first.poll() is None and time.monotonic() < deadline:
-            for marker in sorted(run.glob("checkpoint-*/trainer_state.json")):
+            for marker in sorted(run.glob(f"checkpoint-*/{COMPLETE_MARKER}")):
                 state = json.loads(marker.read_text())
                 if state["step"] >= 2 and state.get("pending"):
                     os.kill(first.pid, signal.SIGKILL)  # the driver, at once, with a batch waiting in its queue

@@ -21,6 +21,7 @@ from treepo_ray.algo.algorithms import ALGORITHMS, AlgoConfig
 from treepo_ray.data.datasets import DataConfig
 from treepo_ray.data.evaluate import EvalConfig
 from treepo_ray.job.logs import LogConfig
+from treepo_ray.job.redact import REDACTED, redacted
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.rewards.custom import RewardFunctionConfig
 from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
@@ -57,8 +58,9 @@ class FaultConfig:
     """A shard of a batch whose scheduler (or the CATPO healer) is lost or stuck is grown again, with the same seeds,
     on a replacement at most this many times per batch."""
     max_verify_failed_share: float = 0.1
-    """A trajectory whose verification failed after the retries is left out of the loss (verify/failed); a step in
-    which more than this share of trajectories failed stops the run."""
+    """A trajectory without a reward (the reward function raised, timed out or returned NaN; the verifiers failed
+    after the retries) is left out of the loss (verify/failed, reward/errors, reward/timeouts, reward/nonfinite); a
+    step in which more than this share of trajectories has none stops the run, naming the first reason."""
 
     def __post_init__(self) -> None:
         for name in ("max_learner_restarts", "max_resends", "verifier_retries", "max_engine_errors", "max_regrows"):
@@ -244,7 +246,8 @@ class RuntimeConfig:
     verifier_cpus: float = 0.0
     """CPUs reserved by each verifier actor (0 = share the machine; verification is light)."""
     verifier_timeout_s: float = 5.0
-    """Per-solution time limit of the verifier."""
+    """Per-solution limit of the verifier in CPU seconds of its worker (a sleeping reward function is stopped at 3x
+    this in wall time); past it the solution has no reward (reward/timeouts) and is left out of the loss."""
     learner_ranks: int = 1
     """Learner ranks (processes joined by torch.distributed)."""
     learner_cpus: float = 1.0
@@ -300,6 +303,9 @@ class TrainerConfig:
     """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
     keep_checkpoints: int = 2
     """Keep the newest this many checkpoints; older ones are deleted."""
+    storage_retry_s: float = 1800.0
+    """How long a run goes on while run storage fails: a checkpoint (with its waiting batches and the logs before it)
+    that cannot be written is tried again at every step; this many seconds after the first failure, the run stops."""
     eval_size: int = 500
     """Held-out problems evaluated before training and at the end (0 = no evaluation)."""
     eval_samples: int = 4
@@ -321,6 +327,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.resume = {self.resume!r} is neither '', 'auto' nor an existing checkpoint")
         if self.lock_stale_s <= 0:
             raise ValueError(f"trainer.lock_stale_s = {self.lock_stale_s}; it must be > 0")
+        if not self.storage_retry_s > 0:
+            raise ValueError(f"trainer.storage_retry_s = {self.storage_retry_s}; it must be > 0")
 
 
 @dataclass
@@ -395,6 +403,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         per_node = [name for name, spec in ALGORITHMS.items() if spec.per_node]
         raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
                         f"{per_node}), not algo.name = {cfg.algo.name!r}")
+    _check_not_redacted(cfg)
     return cfg
 
 
@@ -416,5 +425,26 @@ def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainCo
 
 
 def print_config(cfg: TrainConfig) -> None:
-    """The resolved config (defaults, file and overrides applied), as the command will use it."""
-    print("resolved config:\n" + yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False), flush=True)
+    """The resolved config (defaults, file and overrides applied), as the command will use it, its secrets redacted
+    (job/redact.py: credential keys, log.redact_keys, known token formats)."""
+    print("resolved config:\n" + yaml.safe_dump(redacted(config_io.to_dict(cfg)), sort_keys=False), flush=True)
+
+
+def _check_not_redacted(cfg: TrainConfig) -> None:
+    """A config.yaml saved by a run holds REDACTED where its secrets were: running it as is would hand that marker
+    to a reward function or an engine as a key, so each such key must be set again."""
+    found = [path for path, value in _leaves(config_io.to_dict(cfg)) if value == REDACTED]
+    if found:
+        raise UserError(f"{', '.join(found)}: {REDACTED!r} (this config was saved with its secrets removed); set "
+                        f"the real value again, e.g. {found[0]}=VALUE")
+
+
+def _leaves(node, path: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _leaves(item, f"{path}[{i}]")
+    else:
+        yield path, node

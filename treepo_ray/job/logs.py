@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from treepo_ray.job.redact import redacted
 
 # The metrics printed on the console line of each step, with their short labels there (everything goes to the
 # files, W&B and Ray under its full name).
@@ -26,6 +28,11 @@ CONSOLE_KEYS = (
     ("actor/pg_clipfrac", "clipfrac"), ("actor/entropy", "entropy"), ("tree/depth_max", "depth_max"),
     ("perf/staleness", "staleness"), ("perf/traj_per_s", "traj_per_s"), ("eval/accuracy", "accuracy"),
 )
+CONSOLE_IF_NONZERO = (
+    ("verify/failed", "no_reward"), ("reward/errors", "reward_errors"), ("reward/timeouts", "reward_timeouts"),
+    ("reward/nonfinite", "reward_nonfinite"),
+)
+"""Shown on the console line only in a step that has them: trajectories left out for want of a reward, by cause."""
 
 
 @dataclass
@@ -46,6 +53,10 @@ class LogConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files to <run_dir>/tensorboard (needs the tensorboard package:
     pip install 'treepo-ray[tensorboard]')."""
+    redact_keys: list[str] = field(default_factory=list)
+    """More config keys whose values are secrets, shown as "<redacted>" in the printed config, config.yaml and W&B:
+    dotted paths (custom_reward_function.reward_kwargs.judge_url) or key names matched at any depth. Keys that name a
+    credential (api_key, token, password, ...) and values in known token formats are hidden anyway (job/redact.py)."""
 
 
 def _finite(metrics: dict) -> dict:
@@ -94,9 +105,17 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.trees_path = self.run_dir / "trees.jsonl"
-        if resume_step == 0:  # a fresh run starts fresh files; a resumed one appends
+        if resume_step == 0:  # a fresh run starts fresh files (said, when there were any); a resumed one appends
+            replaced = [p.name for p in (self.metrics_path, self.trees_path) if p.is_file() and p.stat().st_size]
+            if replaced:
+                print(f"a fresh start in {self.run_dir}: the {' and '.join(replaced)} of an earlier start there "
+                      "are replaced", flush=True)
             for p in (self.metrics_path, self.trees_path):
                 p.unlink(missing_ok=True)
+        self._unwritten: dict[Path, list[str]] = {}
+        self.write_error = ""
+        """Why a write of metrics.jsonl or trees.jsonl failed (its lines are kept, and written with the next ones or
+        by `flush`); whoever reads it clears it (the trainer, or `flush`, which raises it instead)."""
         self._wandb = None
         if cfg.wandb:
             if not os.environ.get("WANDB_API_KEY"):
@@ -104,13 +123,13 @@ class RunLogger:
             import wandb
 
             self._wandb = wandb.init(project=cfg.wandb_project, name=name, id=run_id, dir=str(self.run_dir),
-                                     config=config_dict, resume="allow", reinit="finish_previous")
+                                     config=redacted(config_dict, cfg.redact_keys), resume="allow",
+                                     reinit="finish_previous")
 
     def log(self, step: int, metrics: dict) -> str:
         """Record `metrics` of `step`; returns the console line (empty when not printed this step)."""
         values = _finite(metrics)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+        self._append(self.metrics_path, [json.dumps({"step": step, **values}) + "\n"])
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         for sink in self.sinks:
@@ -118,14 +137,33 @@ class RunLogger:
         every = self.cfg.console_every
         if every and step % every == 0:
             shown = [f"{label}={values[k]:.3g}" for k, label in CONSOLE_KEYS if k in values]
+            shown += [f"{label}={values[k]:.0f}" for k, label in CONSOLE_IF_NONZERO if values.get(k)]
             return f"step {step}: " + " ".join(shown)
         return ""
 
     def save_trees(self, step: int, trees: list[dict]) -> None:
         """Append tree dicts (Tree.to_dict plus decoded segment texts) of `step` to trees.jsonl."""
-        with self.trees_path.open("a") as f:
-            for t in trees:
-                f.write(json.dumps({"step": step, **t}) + "\n")
+        self._append(self.trees_path, [json.dumps({"step": step, **t}) + "\n" for t in trees])
+
+    def _append(self, path: Path, lines: list[str]) -> None:
+        """Append `lines` after any kept from a failed write; on failure keep them all, the file cut back to where
+        it was (no half line), and say why in `write_error`."""
+        self._unwritten[path] = self._unwritten.get(path, []) + lines
+        try:
+            _append_whole(path, "".join(self._unwritten[path]).encode())
+        except OSError as err:
+            self.write_error = f"{path.name} not written: {err}"
+            return
+        del self._unwritten[path]
+
+    def flush(self) -> None:
+        """Write the lines kept from failed writes; OSError (with `write_error`, which it clears) if they still
+        cannot be written."""
+        for path in list(self._unwritten):
+            self._append(path, [])
+        error, self.write_error = self.write_error, ""
+        if self._unwritten:
+            raise OSError(error)
 
     def summary(self, values: dict) -> None:
         if self._wandb is not None:
@@ -134,6 +172,12 @@ class RunLogger:
 
     def close(self) -> Path | None:
         """Finish W&B and draw `training_curve.png`; returns its path (None when no step was logged)."""
+        try:
+            self.flush()
+        except OSError as err:
+            lost = sum(len(lines) for lines in self._unwritten.values())
+            names = ", ".join(p.name for p in self._unwritten)
+            print(f"{lost} lines of {names} could not be written: {err}", flush=True)
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -142,6 +186,23 @@ class RunLogger:
                 sink.close()
         self.sinks = []
         return plot_curves(self.run_dir)
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path` with unbuffered writes; when one fails (a full disk), cut the file back to where it
+    was, so that no half line is left for the next try to follow."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

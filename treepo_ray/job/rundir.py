@@ -2,9 +2,9 @@
 batches that were waiting for the learner when a checkpoint was taken.
 
     <storage_path>/<algo>-<YYYYmmdd-HHMMSS>/      (or trainer.run_dir: a path or a storage URI)
-        run.lock            the holder (host, pid, run, heartbeat); a second run refuses the directory
+        run.lock.<gen>      the lock: its holder (host, pid, run, heartbeat); a second run refuses the directory
         run.json            the run's name, creation time and W&B run id (a resumed run continues that W&B run)
-        config.yaml         the config the run was started with (resume=auto compares against it)
+        config.yaml         the config the run was started with, secrets redacted (resume=auto compares against it)
         checkpoint-<step>/  learner/checkpoint.py
         pending-<step>.json.gz
                             the trees of the batches waiting in the staleness queue at that checkpoint: a resumed
@@ -31,9 +31,11 @@ import yaml
 
 from treepo_ray import config as config_io
 from treepo_ray import storage
+from treepo_ray.job.redact import listed_keys, redacted
 from treepo_ray.learner.checkpoint import latest_checkpoint, list_checkpoints, prune_checkpoints
 
 LOCK, RUN_RECORD, CONFIG = "run.lock", "run.json", "config.yaml"
+_LOCK_GENERATION = re.compile(r"^run\.lock\.(\d+)$")
 _PENDING = re.compile(r"^pending-(\d+)\.json\.gz$")
 
 # What makes two configs one run: a checkpoint continues only under the same task, model, sampling, credit, loss and
@@ -51,28 +53,91 @@ class RunLocked(RunDirError):
 
 
 # ---------------------------------------------------------------------------------------------- the lock
+#
+# The lock is a sequence of generations, one file each: run.lock.00000001, run.lock.00000002, ... Each file is
+# created once, by `storage.create_exclusive` (of runs racing for one generation exactly one wins), and written
+# only by the run that created it (its heartbeat). The newest generation is the lock's state: held while its holder
+# lives, free once it says "released" or its holder is gone; a run takes the lock by creating the next generation,
+# and a holder learns it was taken over from a generation above its own. Older generations are deleted by each new
+# holder; the newest is never deleted, so a generation number is never reused while it matters.
 
 
-def _alive_here(pid: int) -> bool:
+def _lock_file(run_dir: str, generation: int) -> str:
+    return storage.join(run_dir, f"{LOCK}.{generation:08d}")
+
+
+def _generations(run_dir: str) -> list[int]:
+    return sorted(int(m.group(1)) for name in storage.list_names(run_dir) if (m := _LOCK_GENERATION.match(name)))
+
+
+def _machine() -> str:
+    """This host, its boot and its process namespace: a pid names the same process only where all three agree."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{socket.gethostname()}/{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, Linux), so that a reused pid is not taken for it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive_here(pid: int, started: str | None = None) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass  # another user's process: it exists
+    return started is None or _process_start(pid) in (None, started)
+
+
+def _same_machine(holder: dict) -> bool:
+    if "machine" in holder:
+        return holder["machine"] == _machine()
+    return holder.get("host") == socket.gethostname()  # a lock written before "machine" was recorded
 
 
 def stale_reason(holder: dict, stale_s: float, now: float | None = None) -> str | None:
-    """Why a lock's holder is gone ('' never; None while it may be alive): its process on this host has exited,
-    or its heartbeat is older than `stale_s` (the only sign left of a holder on another host)."""
-    now = time.time() if now is None else now
-    if holder.get("host") == socket.gethostname() and not _alive_here(int(holder.get("pid", -1))):
-        return f"its process {holder.get('pid')} on this host has exited"
-    age = now - float(holder.get("heartbeat", 0))
+    """Why a lock's holder is gone (None while it may be alive): it released the lock, its process on this host has
+    exited, or (a holder on another host, which cannot be checked) its heartbeat is older than `stale_s`. A live
+    process on this host is never taken for gone, however old its heartbeat (a long pause is not a death)."""
+    if holder.get("released"):
+        return "it was released"
+    if _same_machine(holder):
+        pid = int(holder.get("pid", -1))
+        alive = _alive_here(pid, holder.get("pid_started"))
+        return None if alive else f"its process {pid} on this host has exited"
+    age = (time.time() if now is None else now) - float(holder.get("heartbeat", 0))
     if age > stale_s:
         return f"its last heartbeat was {age:.0f}s ago (trainer.lock_stale_s = {stale_s:g})"
     return None
+
+
+def lock_holder(run_dir: str) -> tuple[int, dict | None]:
+    """(newest generation, its holder) of `run_dir`'s lock; (0, None) when it was never locked. Generation 0 is the
+    single `run.lock` of versions before generations. Raises RunLocked when the newest file cannot be read."""
+    for _ in range(10):  # a file deleted between listing and reading (an older generation), or still being written
+        generations = _generations(run_dir)
+        where = _lock_file(run_dir, generations[-1]) if generations else storage.join(run_dir, LOCK)
+        if not generations and not storage.exists(where):
+            return 0, None
+        try:
+            return (generations[-1] if generations else 0), json.loads(storage.read_text(where))
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            time.sleep(0.1)
+    raise RunLocked(f"the lock file {where} cannot be read, so whether a run holds {run_dir} is unknown; if none "
+                    "does, delete that file")
+
+
+def _in_use(run_dir: str, holder: dict) -> str:
+    return (f"{run_dir} is in use by run {holder.get('run')!r} (host {holder.get('host')}, pid {holder.get('pid')}, "
+            f"since {holder.get('started')}); choose another trainer.run_dir, or stop that run first")
 
 
 class RunLock:
@@ -80,60 +145,105 @@ class RunLock:
     every `stale_s / 4`; if another run took the lock over meanwhile (this one looked dead), `lost` says so."""
 
     def __init__(self, run_dir: str, run: str, stale_s: float):
-        self.path, self.stale_s = storage.join(run_dir, LOCK), stale_s
-        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "token": uuid.uuid4().hex,
+        self.run_dir, self.stale_s, self.generation = run_dir, stale_s, 0
+        self.info = {"host": socket.gethostname(), "machine": _machine(), "pid": os.getpid(),
+                     "pid_started": _process_start(os.getpid()), "run": run, "token": uuid.uuid4().hex,
                      "started": time.strftime("%Y-%m-%d %H:%M:%S"), "heartbeat": time.time()}
         self.lost = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def path(self) -> str:
+        """This run's generation file (once acquired)."""
+        return _lock_file(self.run_dir, self.generation)
+
     def acquire(self) -> "RunLock":
-        """Take the lock, or raise RunLocked naming its live holder. A dead holder's lock is taken over (said so)."""
-        for _ in range(3):
-            if storage.create_exclusive(self.path, json.dumps(self.info)):
+        """Take the lock, or raise RunLocked naming its live holder. A gone holder's lock is taken over (said so)."""
+        for attempt in range(20):
+            generation, holder = lock_holder(self.run_dir)
+            why = stale_reason(holder, self.stale_s) if holder is not None else "never locked"
+            if why is None:
+                raise RunLocked(_in_use(self.run_dir, holder))
+            if self._claim(generation + 1):
+                if holder is not None and not holder.get("released"):
+                    print(f"taking over the lock of {self.run_dir} from run {holder.get('run')!r} (host "
+                          f"{holder.get('host')}, pid {holder.get('pid')}): {why}", flush=True)
+                self._delete_older()
                 self._thread = threading.Thread(target=self._beat, name="run-lock", daemon=True)
                 self._thread.start()
                 return self
-            try:
-                holder = json.loads(storage.read_text(self.path))
-            except (FileNotFoundError, json.JSONDecodeError):  # released meanwhile, or being written: try again
-                time.sleep(0.2)
-                continue
-            why = stale_reason(holder, self.stale_s)
-            if why is None:
-                raise RunLocked(f"{storage.parent_of(self.path)} is in use by run {holder.get('run')!r} (host "
-                                f"{holder.get('host')}, pid {holder.get('pid')}, since {holder.get('started')}); "
-                                "choose another trainer.run_dir, or stop that run first")
-            print(f"taking over the lock of {storage.parent_of(self.path)} from run {holder.get('run')!r} "
-                  f"(host {holder.get('host')}, pid {holder.get('pid')}): {why}", flush=True)
-            storage.delete(self.path)
-        raise RunLocked(f"could not take the lock {self.path}: other runs keep taking it")
+            time.sleep(0.02 * (1 + attempt % 5))  # another run took that generation first: look again
+        raise RunLocked(f"could not take the lock of {self.run_dir}: other runs keep taking it")
 
-    def _holder(self) -> dict:
+    def _claim(self, generation: int) -> bool:
+        """Create `generation`; it is ours only if no later one exists (a run that saw an old listing may create a
+        generation deleted long ago: it then finds the newer ones and lets go)."""
+        self.info["heartbeat"] = time.time()
         try:
-            return json.loads(storage.read_text(self.path))
-        except (FileNotFoundError, json.JSONDecodeError):
+            created = storage.create_exclusive(_lock_file(self.run_dir, generation), json.dumps(self.info))
+        except storage.UnsupportedStorage as err:
+            raise RunDirError(str(err)) from err
+        if not created:
+            return False
+        self.generation = generation
+        if self._newer() is None:
+            return True
+        storage.delete(self.path)
+        self.generation = 0
+        return False
+
+    def _newer(self) -> dict | None:
+        """The holder of a generation above ours ({} when unreadable), or None when ours is the newest."""
+        above = [g for g in _generations(self.run_dir) if g > self.generation]
+        if not above:
+            return None
+        try:
+            return json.loads(storage.read_text(_lock_file(self.run_dir, above[-1])))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             return {}
 
+    def _delete_older(self) -> None:
+        older = [_lock_file(self.run_dir, g) for g in _generations(self.run_dir) if g < self.generation]
+        for where in older + [storage.join(self.run_dir, LOCK)]:
+            try:
+                storage.delete(where)
+            except OSError as err:  # harmless: an older generation never counts again
+                print(f"could not delete the old lock file {where}: {err}", flush=True)
+
     def _beat(self) -> None:
+        renewed = time.monotonic()
         while not self._stop.wait(self.stale_s / 4):
             try:
-                holder = self._holder()
-                if holder.get("token") != self.info["token"]:
-                    self.lost = (f"the lock of {storage.parent_of(self.path)} was taken over by run "
-                                 f"{holder.get('run')!r} (host {holder.get('host')}, pid {holder.get('pid')})")
+                newer = self._newer()
+                if newer is not None:
+                    self.lost = (f"the lock of {self.run_dir} was taken over by run {newer.get('run')!r} (host "
+                                 f"{newer.get('host')}, pid {newer.get('pid')})")
                     return
                 self.info["heartbeat"] = time.time()
-                storage.write_text(self.path, json.dumps(self.info))
-            except OSError as err:  # storage hiccup: the next beat tries again
-                print(f"run lock heartbeat failed: {err}", flush=True)
+                storage.write_text(self.path, json.dumps(self.info))  # our own generation: no other run writes it
+                renewed = time.monotonic()
+            except OSError as err:
+                if time.monotonic() - renewed > 0.75 * self.stale_s:  # another host may soon take it for gone
+                    self.lost = (f"the lock of {self.run_dir} could not be renewed for "
+                                 f"{time.monotonic() - renewed:.0f}s ({err}); another run may take it over")
+                    return
+                print(f"run lock heartbeat failed (tried again in {self.stale_s / 4:g}s): {err}", flush=True)
 
     def release(self) -> None:
+        """Stop the heartbeat and mark our generation released (unless the lock was taken over meanwhile)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self._holder().get("token") == self.info["token"]:
-            storage.delete(self.path)
+        if not self.generation or self.lost:
+            return
+        released = {**self.info, "released": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            if self._newer() is None:
+                storage.write_text(self.path, json.dumps(released))
+        except OSError as err:
+            print(f"could not release the lock of {self.run_dir} ({err}): the next run takes it over once this "
+                  "process has exited (from another host: after trainer.lock_stale_s)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- run identity
@@ -152,8 +262,13 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(breaking, other): the settings that differ between two config dicts, as 'key: old -> new'. Breaking ones
-    are under IDENTITY: a checkpoint of `saved` cannot be continued under `current`."""
-    a, b = _flat(saved), _flat(current)
+    are under IDENTITY: a checkpoint of `saved` cannot be continued under `current`.
+
+    config.yaml holds its secrets redacted, so both sides are compared redacted (with both sides' log.redact_keys):
+    the same secret is no change, and a changed secret (a rotated key) cannot be seen, so it never blocks a resume;
+    the lines name no secret either."""
+    listed = listed_keys(saved) + listed_keys(current)
+    a, b = _flat(redacted(saved, listed)), _flat(redacted(current, listed))
     breaking, other = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -189,11 +304,13 @@ class RunRecord:
 def write_config(run_dir: str, cfg_dict: dict, resume_from: str | None, step: int) -> str:
     """Write this attempt's resolved config as `<run_dir>/configs/attempt-<k>.yaml` (k = 1 for the fresh start,
     then one more per resume: earlier attempts' files are kept) and as `<run_dir>/config.yaml` (the newest, which
-    `treepo-ray train` can load again). Returns the attempt file's location."""
+    `treepo-ray train` can load again once its secrets are set again: they are written as "<redacted>",
+    job/redact.py). Returns the attempt file's location."""
     folder = storage.join(run_dir, "configs")
     k = 1 + sum(name.startswith("attempt-") for name in storage.list_names(folder)) if storage.exists(folder) else 1
     how = f"resumed from {resume_from} at step {step}" if resume_from is not None else "fresh start"
-    text = f"# attempt {k}: {time.strftime('%Y-%m-%d %H:%M:%S')}, {how}\n" + yaml.safe_dump(cfg_dict, sort_keys=False)
+    body = yaml.safe_dump(redacted(cfg_dict), sort_keys=False)  # no secret reaches the run directory
+    text = f"# attempt {k}: {time.strftime('%Y-%m-%d %H:%M:%S')}, {how}\n" + body
     attempt = storage.join(folder, f"attempt-{k}.yaml")
     storage.write_text(attempt, text)
     storage.write_text(storage.join(run_dir, CONFIG), text)
@@ -251,13 +368,12 @@ def _not_resumable(run_dir: str, current: dict, stale_s: float) -> str | None:
     breaking, _ = config_changes(saved, current)
     if breaking:
         return "its config differs in " + "; ".join(breaking)
-    if storage.exists(storage.join(run_dir, LOCK)):
-        try:
-            holder = json.loads(storage.read_text(storage.join(run_dir, LOCK)))
-        except (FileNotFoundError, json.JSONDecodeError):
-            holder = {}
-        if holder and stale_reason(holder, stale_s) is None:
-            return f"run {holder.get('run')!r} holds it (host {holder.get('host')}, pid {holder.get('pid')})"
+    try:
+        _, holder = lock_holder(run_dir)
+    except RunLocked as err:
+        return str(err)
+    if holder is not None and stale_reason(holder, stale_s) is None:
+        return f"run {holder.get('run')!r} holds it (host {holder.get('host')}, pid {holder.get('pid')})"
     return None
 
 

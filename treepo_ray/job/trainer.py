@@ -14,7 +14,10 @@ counts faults and tree mechanisms, and every trainer.save_every steps writes a c
 batches waiting for the learner beside it (job/rundir.py) -> the loop goes on. A learner lost (LearnerLost) is
 rebuilt from the newest checkpoint, at most runtime.faults.max_learner_restarts times: the steps trained after that
 checkpoint are trained again, from the same prompts (the stream is rewound to the checkpoint's data position), so
-each step of the final weights' history is trained once, and the log says so (a step logged twice).
+each step of the final weights' history is trained once, and the log says so (a step logged twice). A write to run
+storage that fails (a checkpoint, its waiting batches, a log line) is said, counted (fault/storage_errors) and tried
+again at every step; once trainer.storage_retry_s has passed without a checkpoint going through, the run stops with
+one line.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from treepo_ray.data.prompts import Prompt, PromptStream
 from treepo_ray.job.faults import LearnerLost, RunStopped, report
 from treepo_ray.job.rundir import LogMirror, RunLock, RunRecord, load_pending, prune_run, save_pending, write_config
 from treepo_ray.job.state import TrainerState
-from treepo_ray.learner.checkpoint import checkpoint_dir, latest_checkpoint
+from treepo_ray.learner.checkpoint import checkpoint_dir, latest_checkpoint, step_of
 
 
 class Trainer:
@@ -46,6 +49,8 @@ class Trainer:
         self.counters: dict[str, float] = {}  # growth/* totals of this invocation: what the tree growers did
         self.logs = LogMirror(run_dir, cfg.model.cache_dir)  # the logger's folder (a local copy when run_dir is a URI)
         self.logger = self.bar = None
+        self.storage_failing_since: float | None = None
+        """When run storage began to fail (time.monotonic()); None once a checkpoint has gone through."""
         self.end = 0
         """The last step of this invocation (trainer.stop_after may end it before trainer.steps)."""
 
@@ -72,8 +77,7 @@ class Trainer:
         try:
             done = self._train(stream, queued, observe, elapsed0, loop_start)
         except BaseException:
-            self.logger.close()  # W&B run and the curve of what was trained, then the error
-            self.logs.upload()
+            self._close_logs_after_error()  # W&B run and the curve of what was trained, then the error
             raise
         finally:
             self.supervisor.stop_chaos()
@@ -84,7 +88,7 @@ class Trainer:
         """The state of the checkpoint being resumed, loaded into the learner and the engines; the batches that
         waited at it and the data position after them."""
         self.logs.download()
-        self.state = TrainerState.from_dict(self.supervisor.learner.load_checkpoint(self.resume_from))
+        self.state = TrainerState.from_dict(self._load_resumed())
         self.loop.start_at(self.state.step)
         queued, position = self._waiting_at(storage.parent_of(self.resume_from))
         waiting = f", then the {len(queued)} batches grown before it stopped" if queued else ""
@@ -92,10 +96,28 @@ class Trainer:
               f"position {self.state.data_position}{waiting}")
         return queued, position
 
+    def _load_resumed(self) -> dict:
+        """The trainer state of the checkpoint resumed, loaded into the learner. Under trainer.resume=auto, one the
+        learner cannot read is passed over for the one before it, said; one named by trainer.resume must load."""
+        while True:
+            try:
+                return self.supervisor.learner.load_checkpoint(self.resume_from)
+            except LearnerLost:
+                raise
+            except Exception as err:  # noqa: BLE001 - the learner's own error reading a damaged checkpoint
+                auto = self.cfg.trainer.resume == "auto"
+                older = latest_checkpoint(self.run_dir, before=step_of(self.resume_from)) if auto else None
+                if older is None:
+                    raise
+                report(f"{storage.name_of(self.resume_from)} cannot be read ({one_line(err)}); resuming from "
+                       f"{storage.name_of(older)}, the checkpoint before it")
+                self.resume_from = older
+
     def _waiting_at(self, run_dir: str) -> tuple[list, int]:
         """The batches that waited in the queue at the checkpoint of self.state, ready to train, and the prompt
         stream's position after them."""
         records = load_pending(run_dir, self.state.pending) if self.state.pending else []
+        records = within_staleness(records, self.cfg.runtime.max_staleness)
         queued = [self.loop.builder.from_record(r) for r in records]
         return queued, (queued[-1].data_position if queued else self.state.data_position)
 
@@ -175,37 +197,78 @@ class Trainer:
         line = self.logger.log(step, metrics)
         if self.cfg.log.trees_per_step:
             self.logger.save_trees(step, batch.trees)
+        if self.logger.write_error:  # its lines are kept, and written with the next ones
+            self._storage_failed(self.logger.write_error)
+            self.logger.write_error = ""
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
                              stale=int(metrics["perf/staleness"]))
         if line:
             self.bar.write(line)
         tr = self.cfg.trainer
-        if step == self.end or (tr.save_every and step % tr.save_every == 0):
-            self._save(step, batch.data_position, elapsed0 + time.time() - loop_start)
+        retry = self.storage_failing_since is not None  # a write failed: tried again at every step
+        if step == self.end or (tr.save_every and step % tr.save_every == 0) or retry:
+            self._save_or_retry(step, batch.data_position, elapsed0 + time.time() - loop_start)
         self.supervisor.after_step(step)
         return step < self.end
 
-    def _save(self, step: int, data_position: int, elapsed_s: float) -> None:
-        """A checkpoint of `step`. Batches already grown for the next steps are saved with it: a resumed run trains
-        them as they were grown instead of growing them again with newer weights (the file is written before the
-        checkpoint that names it: a checkpoint that is not written leaves it behind, for prune_run). A failed write
-        (a full disk) is reported and counted, and training goes on: the previous checkpoint is intact."""
+    def _save_or_retry(self, step: int, data_position: int, elapsed_s: float) -> None:
+        """A checkpoint of `step`. On the last step of this invocation there is no next step to try again at: it is
+        tried again here until it is written or trainer.storage_retry_s has passed (the run stops)."""
+        while not self._save(step, data_position, elapsed_s) and step == self.end:
+            time.sleep(min(30.0, self.cfg.trainer.storage_retry_s / 10))
+
+    def _save(self, step: int, data_position: int, elapsed_s: float) -> bool:
+        """A checkpoint of `step`; False when it could not be written. The log lines kept from failed writes go first
+        (a checkpoint never gets ahead of its logs). Batches already grown for the next steps are saved with it: a
+        resumed run trains them as they were grown instead of growing them again with newer weights (the file is
+        written before the checkpoint that names it: a checkpoint that is not written leaves it behind, for
+        prune_run). A failed write is a storage failure (`_storage_failed`): the previous checkpoint is intact."""
         s = self.state
         s.step, s.data_position, s.elapsed_s = step, data_position, elapsed_s
-        waiting = self.loop.waiting()
-        s.pending = save_pending(self.run_dir, step, [b.to_record() for b in waiting]) if waiting else None
-        directory = checkpoint_dir(self.run_dir, step)
+        directory = str(checkpoint_dir(self.run_dir, step))
         try:
-            self.supervisor.learner.save_checkpoint(str(directory), s.to_dict())
+            self.logger.flush()
+            waiting = self.loop.waiting()
+            s.pending = save_pending(self.run_dir, step, [b.to_record() for b in waiting]) if waiting else None
+            self.supervisor.learner.save_checkpoint(directory, s.to_dict())
         except LearnerLost:
             raise
-        except Exception as err:  # noqa: BLE001 - a write that failed (full disk, ...); not the learner itself
-            report(f"checkpoint {storage.name_of(str(directory))} not written, training goes on: {err}")
-            self._count("fault/checkpoint_errors", 1)
-            return
-        prune_run(self.run_dir, self.cfg.trainer.keep_checkpoints)
-        self.logs.upload()
+        except Exception as err:  # noqa: BLE001 - run storage (a full disk, an object store away); not the learner
+            self._storage_failed(f"checkpoint {storage.name_of(directory)} not written: {one_line(err)}")
+            return False
+        self.storage_failing_since = None
+        try:  # the checkpoint is written: what is left is tidying, tried again after the next one
+            prune_run(self.run_dir, self.cfg.trainer.keep_checkpoints)
+            self.logs.upload()
+        except OSError as err:
+            self._count("fault/storage_errors", 1)
+            report(f"after checkpoint {storage.name_of(directory)}: {err}; tried again after the next checkpoint")
+        return True
+
+    def _storage_failed(self, what: str) -> None:
+        """A write to run storage failed (`what`: which, and why): said and counted (fault/storage_errors), and tried
+        again at the next step. Once run storage has failed for trainer.storage_retry_s with no checkpoint going
+        through, the run stops with one line (trainer.resume=auto continues from the newest checkpoint written)."""
+        now, limit = time.monotonic(), self.cfg.trainer.storage_retry_s
+        if self.storage_failing_since is None:
+            self.storage_failing_since = now
+        self._count("fault/storage_errors", 1)
+        failing = now - self.storage_failing_since
+        if failing >= limit:
+            raise RunStopped(f"run storage has failed for {failing:.0f}s with no checkpoint written "
+                             f"(trainer.storage_retry_s = {limit:g}): {what}")
+        report(f"{what}; tried again at the next step (the run stops if run storage still fails "
+               f"{limit - failing:.0f}s from now)")
+
+    def _close_logs_after_error(self) -> None:
+        """Close the logger (W&B, the curve) and upload the logs as far as run storage lets, so that the error that
+        stopped the run is the one raised."""
+        try:
+            self.logger.close()
+            self.logs.upload()
+        except OSError as err:
+            report(f"the logs could not be closed or uploaded: {err}")
 
     def _finish(self, done: int, started: float, train_s: float) -> dict:
         """The final evaluation and the run's summary (logged, written to summary.json and printed)."""
@@ -236,6 +299,27 @@ class Trainer:
         self.logs.upload()
         print(format_summary(summary))
         return summary
+
+
+def one_line(err: BaseException) -> str:
+    """An error as one line: the error an actor raised, not Ray's wrapper around it (which carries a traceback)."""
+    cause = getattr(err, "cause", None)  # ray.exceptions.RayTaskError's original error
+    text = str(cause if isinstance(cause, BaseException) else err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def within_staleness(records: list[dict], max_staleness: int) -> list[dict]:
+    """The waiting batches a resumed run trains as they were saved: those whose weights are at most `max_staleness`
+    versions behind their step (a run resumed with a smaller runtime.max_staleness than it saved them under). The
+    first one over the bound and every one after it (the stream continues from the last one kept) are grown again
+    with the current weights, said in one line."""
+    for k, record in enumerate(records):
+        if record["step"] - record["version"] > max_staleness:
+            print(f"resume: the {len(records) - k} batches saved for steps {record['step']}-{records[-1]['step']} are "
+                  f"grown again: batch {record['step']} was grown by weights {record['step'] - record['version']} "
+                  f"versions behind, more than runtime.max_staleness = {max_staleness}", flush=True)
+            return records[:k]
+    return records
 
 
 def format_summary(s: dict) -> str:

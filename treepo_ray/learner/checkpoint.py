@@ -3,14 +3,20 @@
 A checkpoint folder holds the model as a Hugging Face directory (weights + tokenizer, loadable by path), the
 optimizer state (`optimizer.pt`, or DeepSpeed's per-rank partitions under `deepspeed/`), `learner_state.json`
 (optimizer steps, world size, optimizer-state format, learner config), one `rng_rank<r>.json` per rank, and last the
-completion marker `trainer_state.json` (the caller's trainer state).
+completion marker `treepo_trainer_state.json` (the caller's trainer state). The marker's name is the project's own:
+a run directory may also hold other tools' `checkpoint-N` folders (the Hugging Face Trainer's carry its own
+`trainer_state.json`), which are never listed, resumed or pruned here. Checkpoints written before the marker was
+renamed carry `trainer_state.json`; that counts as the marker only beside `learner_state.json`, a file no other tool
+writes.
 
 Run directories live in run storage (treepo_ray/storage.py: a local or shared path, or an object store URI), so a
 learner rank on any node writes where the driver lists, prunes and restores. A run directory holds
 `checkpoint-00000012/`-style folders, one per saved step. A folder is written whole before it counts: on a file
 system under a hidden temporary name, fsynced, then renamed into place; on an object store uploaded file by file
 with the marker last. A crash or a full disk leaves at worst a stale temporary folder or a folder without its marker
-(ignored, and deleted by the next pruning), never a half-written checkpoint that a restore would take.
+(ignored, and deleted by the next pruning), never a half-written checkpoint that a restore would take. A complete
+checkpoint that cannot be read any more (a file lost or damaged later) is passed over by `latest_checkpoint`, which
+falls back to the one before it and says so.
 
 Nothing is unpickled: tensors load with `torch.load(weights_only=True)` and the RNG states are JSON.
 """
@@ -34,7 +40,8 @@ from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.learner.strategy import FULL_OPTIMIZER_STATE, Strategy
 
 PREFIX = "checkpoint-"
-COMPLETE_MARKER = "trainer_state.json"
+COMPLETE_MARKER = "treepo_trainer_state.json"
+LEGACY_MARKER = "trainer_state.json"  # the marker before 12/2026; also the Hugging Face Trainer's file name
 LEARNER_STATE = "learner_state.json"
 OPTIMIZER_FILE = "optimizer.pt"  # full (unsharded) AdamW state, keyed by parameter name (tensors only)
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"  # DeepSpeed's own per-rank optimizer partitions
@@ -48,34 +55,90 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> str:
     return storage.join(run_dir, f"{PREFIX}{step:08d}")
 
 
+def marker_of(location: str | Path) -> str | None:
+    """The completion marker of the checkpoint folder `location` (None: not a complete checkpoint of this project)."""
+    names = set(storage.list_names(str(location)))
+    if COMPLETE_MARKER in names:
+        return COMPLETE_MARKER
+    return LEGACY_MARKER if {LEGACY_MARKER, LEARNER_STATE} <= names else None
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, str]]:
-    """Complete checkpoints in `run_dir` as (step, location), oldest first."""
+    """Complete checkpoints of this project in `run_dir` as (step, location), oldest first."""
     found = []
     for name in storage.list_names(str(run_dir)):
         m = _NAME.match(name)
-        if m and storage.exists(storage.join(run_dir, name, COMPLETE_MARKER)):
+        if m and marker_of(storage.join(run_dir, name)) is not None:
             found.append((int(m.group(1)), storage.join(run_dir, name)))
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> str | None:
-    """The newest complete checkpoint in `run_dir`, or None when there is none."""
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+def unreadable_reason(location: str | Path) -> str | None:
+    """Why the complete checkpoint `location` cannot be restored (None: it looks whole): its marker or learner state
+    does not parse, or a file the restore reads is missing. Checked on the driver, before a learner is asked."""
+    location = str(location)
+    try:
+        marker = marker_of(location)
+        if marker is None:
+            return "it has no completion marker"
+        if not isinstance(json.loads(storage.read_text(storage.join(location, marker))), dict):
+            return f"its {marker} is not a JSON object"
+        state = json.loads(storage.read_text(storage.join(location, LEARNER_STATE)))
+        names = set(storage.list_names(location))
+        if state.get("optimizer_format", FULL_OPTIMIZER_STATE) != FULL_OPTIMIZER_STATE:
+            needs = [DEEPSPEED_DIR]
+        else:
+            sharded = "model.safetensors.index.json" in names
+            needs = ["model.safetensors.index.json" if sharded else "model.safetensors", "config.json", OPTIMIZER_FILE]
+        missing = [name for name in needs if name not in names]
+        return f"{', '.join(missing)} missing" if missing else None
+    except (OSError, ValueError, AttributeError) as err:  # unreadable, not JSON (json's errors are ValueErrors)
+        return f"{type(err).__name__}: {err}"
+
+
+def latest_checkpoint(run_dir: str | Path, before: int | None = None) -> str | None:
+    """The newest complete checkpoint in `run_dir` (of a step below `before`, when given) that can be read, or None.
+    Each newer one that cannot be read is passed over, with a line saying why."""
+    for step, location in reversed(list_checkpoints(run_dir)):
+        if before is not None and step >= before:
+            continue
+        why = unreadable_reason(location)
+        if why is None:
+            return location
+        print(f"checkpoint {location} cannot be read ({why}): falling back to the one before it", flush=True)
+    return None
+
+
+def step_of(location: str | Path) -> int:
+    """The step of a checkpoint folder, from its name."""
+    m = _NAME.match(storage.name_of(location))
+    if m is None:
+        raise ValueError(f"{location} is not named {PREFIX}<step>")
+    return int(m.group(1))
+
+
+def _ours_unfinished(run_dir: str | Path, name: str) -> bool:
+    """A folder this project began to write and did not finish: its staging or replaced folder, or a folder named
+    as `checkpoint_dir` names them with no marker (and no other tool's trainer_state.json)."""
+    if name.startswith(f".{PREFIX}") and name.endswith((".tmp", ".old")):
+        return True
+    m = _NAME.match(name)
+    if m is None or name != f"{PREFIX}{int(m.group(1)):08d}":
+        return False
+    names = set(storage.list_names(storage.join(run_dir, name)))
+    return COMPLETE_MARKER not in names and LEGACY_MARKER not in names
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` checkpoints, stale temporary folders and folders without their marker (a
-    write that was cut off); return what was deleted. Only the run that holds the run directory's lock calls it,
-    after its own save, so nothing deleted here is being written."""
+    """Delete all but the newest `keep` checkpoints, and this project's unfinished ones (a write that was cut off:
+    a stale staging folder, a folder without its marker); return what was deleted. Other tools' folders are left
+    alone. Only the run that holds the run directory's lock calls it, after its own save, so nothing deleted here
+    is being written."""
     if keep < 1:
         raise ValueError(f"keep = {keep}; at least the newest checkpoint must be kept")
-    complete = list_checkpoints(run_dir)
-    removed = [loc for _, loc in complete[:-keep]]
-    kept = {storage.name_of(loc) for _, loc in complete}
-    for name in storage.list_names(str(run_dir)):
-        if name.startswith(f".{PREFIX}") or (_NAME.match(name) and name not in kept):
-            removed.append(storage.join(run_dir, name))
+    removed = [loc for _, loc in list_checkpoints(run_dir)[:-keep]]
+    removed += [storage.join(run_dir, name) for name in storage.list_names(str(run_dir))
+                if _ours_unfinished(run_dir, name)]
     for loc in removed:
         storage.delete_dir(loc)
     return removed
@@ -143,7 +206,8 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
     or one process) resumes at any world size (RNG then restarts from the seed); a DeepSpeed one only under
     DeepSpeed at its own world size."""
     directory = str(directory)
-    if not storage.exists(storage.join(directory, COMPLETE_MARKER)):
+    marker = marker_of(directory)
+    if marker is None:
         raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER})")
     learner_state = json.loads(storage.read_text(storage.join(directory, LEARNER_STATE)))
     fmt, saved_ws = learner_state.get("optimizer_format", FULL_OPTIMIZER_STATE), learner_state["world_size"]
@@ -176,7 +240,7 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
     finally:
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
-    return steps, json.loads(storage.read_text(storage.join(directory, COMPLETE_MARKER)))
+    return steps, json.loads(storage.read_text(storage.join(directory, marker)))
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The embedded default engine: a transformers causal LM behind a tree-aware KV cache, CPU or GPU.
 
-Split by concern (see DESIGN.md, "Measured here", for why it runs this way):
+Split by concern:
 - model.py: its own fused forward over the HF model's weights (Llama / Qwen2 / Qwen3 / Mistral family), run over rows of
   one preallocated KV buffer; `load_weights` updates the HF model and the fused tensors alike.
 - sampler.py: temperature / top-k / top-p sampling with one counter-based uniform per (child seed, token index),
