@@ -114,3 +114,29 @@ def test_closed_verifier_refuses():
         v.score_batch([r"\boxed{1}"], ["2"])
     with pytest.raises(ValueError, match="num_workers"):
         MathVerifier(MathVerifyConfig(num_workers=0))
+
+
+PARENT = r"""
+import sys, threading
+from treepo_ray.rewards.math import MathVerifier, MathVerifyConfig
+v = MathVerifier(MathVerifyConfig(timeout_s=600.0, num_workers=2))
+print(" ".join(str(w.proc.pid) for w in v._pool._workers), flush=True)
+v.score_batch([r"\boxed{10^{10^{10}}}"] * 2, ["5", "5"])  # both workers busy for minutes, in C
+"""
+
+
+@pytest.mark.slow
+def test_workers_die_with_the_process_that_started_them():
+    import subprocess
+    import sys
+
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+    time.sleep(3.0)  # past start-up: the towers are being expanded
+    assert len(workers) == 2 and all(w.is_running() and w.cpu_times().user > 0.5 for w in workers[:1])
+    parent.kill()  # SIGKILL: no clean-up of its own runs
+    parent.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=5)
+    assert alive == []

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import resource
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -136,7 +137,24 @@ def _owner(pid: str) -> int | None:
         return None
 
 
+PARENT_PID = "TREEPO_RAY_SCORING_PARENT"
+"""The pid of the process that starts a worker (set by rewards/workers.py)."""
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this worker when the process that started it dies. The worker leads a session of its own,
+    so nothing else would: a verifier killed while this worker computes a tower of exponents (in C, holding the GIL,
+    so no thread of ours could watch) would leave it computing for ever."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if str(os.getppid()) != os.environ.get(PARENT_PID, str(os.getppid())):
+        os._exit(0)  # the parent died before the line above
+
+
 def main() -> None:
+    _die_with_parent()
     memory_mb, kind, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     if memory_mb > 0:
         limit = memory_mb << 20

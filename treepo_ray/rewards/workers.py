@@ -5,7 +5,8 @@ Every scorer that may run long or blow up on an input (math-verify's symbolic co
 runs here. Each worker caps its own address space and processes (rewards/_worker.py); the parent gives every item a
 limit in CPU seconds of the worker (so a busy machine does not turn slow answers into failures), with a wall-clock
 backstop for an item that waits without computing, and kills the worker's whole process group (whatever it started
-goes with it) when an item overruns or the worker dies, answering that item {"lost": "timeout"} or {"lost": "died"}.
+goes with it) when an item overruns or the worker dies, answering that item {"lost": "timeout"} or {"lost": "died"};
+a worker dies with the process that started it (the kernel's parent-death signal: rewards/_worker.py).
 Workers see only a few environment variables (PATH, HOME, locale, the Python path) plus the names the caller passes
 through: cloud credentials and API keys of the job stay out of reach of reward code.
 """
@@ -37,7 +38,7 @@ POLL_S = 0.05
 def worker_env(names: tuple[str, ...] = ()) -> dict[str, str]:
     """The environment of a scoring worker: BASE_ENV and `names` where set, one thread, the worker marker."""
     keep = {k: os.environ[k] for k in (*BASE_ENV, *names) if k in os.environ}
-    return keep | {"OMP_NUM_THREADS": "1", IN_SCORING_WORKER: "1"}
+    return keep | {"OMP_NUM_THREADS": "1", IN_SCORING_WORKER: "1", "TREEPO_RAY_SCORING_PARENT": str(os.getpid())}
 
 
 class _Worker:
