@@ -134,8 +134,8 @@ def test_workers_die_with_the_process_that_started_them():
 
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     workers = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
-    time.sleep(3.0)  # past start-up: the towers are being expanded
-    assert len(workers) == 2 and all(w.is_running() and w.cpu_times().user > 0.5 for w in workers[:1])
+    time.sleep(3.0)  # past start-up (about a second of imports): the towers are being expanded
+    assert len(workers) == 2 and all(w.is_running() for w in workers)
     parent.kill()  # SIGKILL: no clean-up of its own runs
     parent.wait()
     gone, alive = psutil.wait_procs(workers, timeout=5)
