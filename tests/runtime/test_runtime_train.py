@@ -104,15 +104,26 @@ def test_ray_metrics_carry_run_and_algorithm_tags(ray_local):
 
     from treepo_ray.runtime.cluster import ray_gauges
 
-    sink = ray_gauges("treepo-20260101-000000", "treepo")
+    # Recorded in an actor, a process of this Ray's own: the test process has joined one Ray per test module, and its
+    # metrics exporter can be left sending to an earlier one's agent ("Failed to export metrics" in its core log).
+    @ray.remote
+    class Recorder:
+        def __init__(self):
+            self.sink = ray_gauges("treepo-20260101-000000", "treepo")
+
+        def record(self, values: dict) -> None:
+            self.sink(1, values)
+
+    recorder = Recorder.remote()
     port = ray.nodes()[0]["MetricsExportPort"]
     deadline, lines = time.monotonic() + 60, []
     while not lines and time.monotonic() < deadline:
-        sink(1, {"critic/score/mean": 0.75})
+        ray.get(recorder.record.remote({"critic/score/mean": 0.75}))
         time.sleep(1.0)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         lines = [line for line in text.splitlines()  # this run's series (the module's other run has its own)
                  if line.startswith("ray_treepo_critic_score_mean{") and 'run="treepo-20260101-000000"' in line]
+    ray.kill(recorder)
     assert lines and 'algorithm="treepo"' in lines[0] and lines[0].endswith(" 0.75"), lines
 def train_process(args: list[str], log: Path) -> subprocess.Popen:
     """`treepo-ray train ARGS` in a process of its own (its own local Ray and W&B service: this process's, which
