@@ -105,15 +105,6 @@ LAUNCHER_BREAKS = [
 ]
 
 
-@pytest.mark.parametrize("mutate,expected", [(m, e) for _, m, e in LAUNCHER_BREAKS],
-                         ids=[name for name, _, _ in LAUNCHER_BREAKS])
-def test_launcher_secret_and_permission_breaks_fail(mutate, expected):
-    broken = copy.deepcopy(_load("cluster/ray-cluster.yaml"))
-    mutate(broken)
-    with pytest.raises(cv.ClusterConfigError, match=_re(expected)):
-        cv.check_launcher(broken)
-
-
 @pytest.mark.parametrize("mode,writable", [
     ("1777", True), ("777", True), ("0666", True), ("o+w", True), ("a=rwx", True), ("u+rwx,o+rw", True),
     ("2770", False), ("0750", False), ("755", False), ("g+w", False), ("o-w", False), ("+w", False), ("a+rX", False),
@@ -140,13 +131,17 @@ KUBERAY_BREAKS = [
 ]
 
 
-@pytest.mark.parametrize("mutate,expected", [(m, e) for _, m, e in KUBERAY_BREAKS],
-                         ids=[name for name, _, _ in KUBERAY_BREAKS])
-def test_kuberay_credentials_written_in_a_manifest_fail(mutate, expected):
-    broken = copy.deepcopy(_load("cluster/kuberay/raycluster.yaml"))
+BREAKS = [("cluster/ray-cluster.yaml", cv.check_launcher, *b) for b in LAUNCHER_BREAKS] + \
+    [("cluster/kuberay/raycluster.yaml", cv.check_raycluster, *b) for b in KUBERAY_BREAKS]
+
+
+@pytest.mark.parametrize("path,check,mutate,expected", [(p, c, m, e) for p, c, _, m, e in BREAKS],
+                         ids=[name for _, _, name, _, _ in BREAKS])
+def test_a_secret_or_permission_break_fails(path, check, mutate, expected):
+    broken = copy.deepcopy(_load(path))
     mutate(broken)
     with pytest.raises(cv.ClusterConfigError, match=_re(expected)):
-        cv.check_raycluster(broken)
+        check(broken)
 
 
 def test_kuberay_pod_command_making_storage_world_writable_fails():
