@@ -51,3 +51,14 @@ def test_small_run_writes_every_figure(tiny, tmp_path):
     assert c["unpacked"]["forward_tokens"] == 512 * (4 + 3 * 2)
     assert c["packed"]["unique_tokens"] == 4 + 584 * 2 and c["packed_forward_per_unique"] <= 1.02
     assert set(result["targets"]) >= {"c/grad_rel_diff<=1e-4", "c/speedup>=0.8*token_ratio"}
+
+
+def test_paper_plan_alone_packs_within_ten_percent_of_unique_tokens(tmp_path):
+    out = tmp_path / "learner.json"
+    assert main(["--configs", "paper", "--no-memory", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    paper = result["configs"]["paper"]
+    assert paper["unique_tokens"] == 1024 + (2 + 4 + 8 + 16 * 11) * 512
+    assert paper["forward_per_unique"] <= 1.10 and result["targets"]["paper/forward_per_unique<=1.10"]
+    # Under budgets that hold one path or less, never more than one row per path.
+    assert all(b["forward_tokens"] <= paper["unpacked_tokens"] for b in paper["other_budgets"])

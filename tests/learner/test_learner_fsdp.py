@@ -1,5 +1,6 @@
 """Two FSDP2 ranks over gloo, each with a share of the batch, train exactly like one process on all of it: packed
-trees (token-mean, and the per-node loss with tree weights) and unpadded rows (seq-mean)."""
+trees (token-mean, and the per-node loss with tree weights) and unpadded rows (seq-mean); and they start from rank 0's
+weights, built on the meta device and filled by broadcast, without any other rank reading the whole model."""
 
 import dataclasses
 
@@ -91,3 +92,38 @@ def test_two_fsdp2_ranks_match_one_process(tiny, tmp_path):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
             for k, v in single.export_weights().items():
                 torch.testing.assert_close(resumed.export_weights()[k], v, atol=1e-5, rtol=0)
+
+
+def _sharded_start_worker(rank: int, port: int, model_path: str, weightless_path: str, out_dir: str) -> None:
+    # Rank 1 is given a copy of the model without its weights file: it must build its shards without reading (or
+    # allocating) the whole model, from what rank 0 read and broadcast.
+    torch.set_num_threads(1)
+    learner = Learner(model_path if rank == 0 else weightless_path, _config("token-mean"), rank=rank, world_size=2,
+                      master_port=port)
+    metrics = learner.train_step(_batch("token-mean", rank))
+    weights = learner.export_weights()
+    if rank == 0:
+        torch.save((metrics, weights), f"{out_dir}/start.pt")
+    learner.close()
+
+
+def test_fsdp2_ranks_start_from_rank_0s_weights_without_loading_the_whole_model(tiny, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny, weightless, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    run_two_ranks(_sharded_start_worker, tiny, str(weightless), str(tmp_path))
+    metrics, weights = torch.load(tmp_path / "start.pt", weights_only=False)
+
+    single = Learner(tiny, _config("token-mean"))
+    assert metrics["loss"] == pytest.approx(single.train_step(_batch("token-mean"))["loss"], rel=1e-5, abs=1e-6)
+    loaded = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).state_dict()
+    before = {k: v for k, v in single.export_weights().items()}
+    assert weights.keys() == before.keys()
+    for k, v in before.items():  # both trained one step from the same start
+        torch.testing.assert_close(weights[k], v, atol=1e-5, rtol=0)
+    assert any(not torch.equal(weights[k], loaded[k]) for k in loaded if k in weights)  # it did train
+    assert not list(Path(weightless).glob("*.safetensors"))

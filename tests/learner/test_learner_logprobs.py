@@ -70,3 +70,23 @@ def test_a_padded_embedding_scores_over_the_tokenizers_ids_only():
     with torch.no_grad(), head.targets(ids[:, 1:]):
         out = model(input_ids=ids, logits_to_keep=torch.arange(4)).logits
     torch.testing.assert_close(out[0, :, 0], want)
+
+
+def test_under_bf16_autocast_the_gradient_matches_the_forward():
+    # The learner's forward runs under autocast (learner.dtype bfloat16), its backward outside it: the backward must
+    # recompute the logits as the forward did, or its probabilities (from the forward's normaliser) do not sum to 1.
+    torch.manual_seed(2)
+    h = (torch.randn(48, 32) * 2).requires_grad_()
+    w = torch.randn(500, 32).requires_grad_()
+    b = torch.randn(500).requires_grad_()
+    t = torch.randint(0, 500, (48,))
+    grads = {}
+    for name, fn in (("chunked", lambda: chunked_logprobs(h, w, t, 1.0, b, chunk=16)),
+                     ("reference", lambda: logprobs_reference(h, w, t, 1.0, b))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, entropy = fn()
+        grads[name] = torch.autograd.grad((logp + 0.3 * entropy).sum(), (h, w, b))
+    # d(log p_t + 0.3 H)/dz sums to 0 over the vocabulary in each row when the probabilities sum to 1.
+    assert grads["chunked"][2].sum().abs() < 1e-3 * 48
+    for got, want in zip(grads["chunked"], grads["reference"]):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()

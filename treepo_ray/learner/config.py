@@ -21,7 +21,8 @@ class LearnerConfig:
     lr: float = 1e-6
     """AdamW learning rate (1e-6 as in the papers; the tiny CPU demo uses 5e-5)."""
     lr_warmup_steps: int = 0
-    """Optimizer steps of linear learning-rate warmup, then constant (learner/schedule.py; 0 = none)."""
+    """Training steps of linear learning-rate warmup, then constant (learner/schedule.py; 0 = none); as verl's,
+    counted in training steps, not in the ppo_epochs x mini_batches optimizer steps of each. Logged as actor/lr."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -35,7 +36,9 @@ class LearnerConfig:
     per trajectory (shared prefixes computed once per path), kept for comparison and tests."""
     micro_batch_tokens: int = 4096
     """packing tree: forward tokens per micro-batch on one rank; a larger tree is split into subtrees that repeat
-    their ancestors."""
+    their ancestors (a single path longer than this is one piece over it). A job that does not set it takes the
+    longest path its rollout allows, at least this 4096 (job/config.py: default_micro_batch_tokens), and warns
+    below that path."""
     micro_batch_size: int = 4
     """packing none: rows (trajectories) per forward/backward pass on one rank."""
     tree_attention: str = "auto"

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from treepo_ray.algo.losses import TREE_FIGURES, tree_policy_loss
 from treepo_ray.learner import packing
@@ -110,6 +110,9 @@ class Learner:
         self.optimizer_steps = 0
         """Optimizer steps taken so far (ppo_epochs x mini_batches per training step; the policy version, steps
         trained, is the runtime's: runtime/loop.py)."""
+        self.train_steps = 0
+        """Training steps done (train_step calls; restored from the trainer's step on load_checkpoint): the LR
+        schedule's clock, which verl steps once per training step, not per optimizer step."""
         config = self.model.config
         self.vocab_size: int = min(config.vocab_size, self._tokenizer_vocab or config.vocab_size)
         """Token ids the learner accepts and scores (the tokenizer's; the model's if there is no tokenizer)."""
@@ -122,19 +125,20 @@ class Learner:
         return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     def _load_model(self, trainable: bool) -> PreTrainedModel:
-        # Master weights in float32; a lower compute dtype is applied by the strategy (autocast or its own).
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        vocab = self._tokenizer_vocab if self._tokenizer_vocab and self._tokenizer_vocab < model.config.vocab_size \
-            else None
-        prepare_model(model, self.cfg.logprob_chunk, vocab)
-        if trainable and self.cfg.gradient_checkpointing:
-            # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
-        if not trainable:
-            model.requires_grad_(False)
-        model.to(self.device)
-        self.strategy.shard(model)
+        # Master weights in float32; a lower compute dtype is applied by the strategy (autocast or its own). The
+        # strategy loads, moves and shards (FSDP2: on the meta device, filled from rank 0's copy).
+        def prepare(model: PreTrainedModel) -> None:
+            vocab = self._tokenizer_vocab if self._tokenizer_vocab and self._tokenizer_vocab < model.config.vocab_size \
+                else None
+            prepare_model(model, self.cfg.logprob_chunk, vocab)
+            if trainable and self.cfg.gradient_checkpointing:
+                # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
+                enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+                enable()
+            if not trainable:
+                model.requires_grad_(False)
+
+        model = self.strategy.load_model(self.model_path, prepare)
         # Dropout off in every pass, so the recomputed old log-probs and the trained ones come from one function.
         # Exception: HF runs gradient checkpointing only in training mode (the config's dropout then applies).
         model.train(trainable and self.cfg.gradient_checkpointing)
@@ -218,6 +222,8 @@ class Learner:
         if seqs == 0:
             raise ValueError("train_step got no trees on any rank")
         old = self.node_logprobs(indices) if cfg.recompute_pass else None
+        lr = lr_at(cfg.lr, cfg.lr_warmup_steps, self.train_steps)  # schedule.py: one LR for the whole step
+        set_lr(self.optimizer, lr)
         start = self.optimizer_steps
         totals: dict[str, float] = {}
         steps = skipped = 0
@@ -236,7 +242,8 @@ class Learner:
                 for k, v in stats.items():
                     totals[k] = max(totals.get(k, v), v) if k == "is_weight_max" else totals.get(k, 0.0) + v
         metrics = {k: v if k == "is_weight_max" else v / max(steps, 1) for k, v in totals.items()}
-        metrics.update(lr=self.optimizer.param_groups[0]["lr"], tokens=float(tokens), samples=float(seqs),
+        self.train_steps += 1
+        metrics.update(lr=lr, tokens=float(tokens), samples=float(seqs),
                        trees=float(trees), unique_tokens=float(unique), steps=float(steps - skipped),
                        skipped=float(skipped), optimizer_steps=float(self.optimizer_steps), recomputed=float(old is not None),
                        time_s=time.perf_counter() - started)
@@ -275,7 +282,6 @@ class Learner:
         figures = self._backward(indices, old, self.cfg.off_policy)
         if not figures:
             return None
-        set_lr(self.optimizer, lr_at(self.cfg.lr, self.cfg.lr_warmup_steps, self.optimizer_steps))  # schedule.py
         grad_norm, ok = self.strategy.step(figures["loss"])
         self.optimizer_steps += int(ok)
         return figures | {"grad_norm": grad_norm, "skipped": float(not ok)}
@@ -380,6 +386,7 @@ class Learner:
         Call on all ranks. A checkpoint with full optimizer state (FSDP2 or one process) resumes at any world size
         (RNG then restarts from the seed); a DeepSpeed one only under DeepSpeed at its own world size."""
         self.optimizer_steps, trainer_state = read_checkpoint(directory, strategy=self.strategy, config=self.cfg)
+        self.train_steps = int(trainer_state.get("step", 0))  # the LR schedule's clock (job/state.py: steps done)
         # The config in force rules the hyper-parameters (a resumed run may change, say, the learning rate).
         for group in self.optimizer.param_groups:
             group.update(self._optimizer_hparams())

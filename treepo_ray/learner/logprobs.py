@@ -3,7 +3,8 @@
 The plain way (logits = lm_head(h) for every position, .float(), log_softmax, entropy) keeps three or four
 [tokens, vocabulary] float32 tensors alive for backward: at 4k tokens and a 150k vocabulary, 2.4 GB each. Here
 rows are processed in chunks of `chunk` rows; forward keeps only each row's log-normaliser, and backward recomputes
-one chunk's logits at a time (ChunkedLogprobs). Peak memory beyond the hidden states: one chunk's [chunk, V]
+one chunk's logits at a time (ChunkedLogprobs), under the autocast forward ran in (as torch.amp.custom_bwd does),
+so the saved normaliser belongs to the same logits. Peak memory beyond the hidden states: one chunk's [chunk, V]
 logits and probabilities, and one [V, hidden] gradient buffer for the head.
 
 `LogprobHead` puts this inside the model's own forward: it replaces the model's `lm_head` (same weight tensor,
@@ -39,6 +40,11 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool = True):
         n = hidden.shape[0]
+        device = hidden.device.type
+        # Backward recomputes the logits under this same autocast (torch.amp.custom_fwd/custom_bwd, but for the
+        # tensors' own device): with bfloat16 logits here and float32 ones there, the probabilities backward takes
+        # from the saved normaliser would not sum to one.
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 when given float64
         logp_t, entropy, lse = (hidden.new_empty(n, dtype=dtype) for _ in range(3))
         with torch.no_grad():
@@ -69,23 +75,25 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_logp = torch.zeros_like(lse)
         if grad_entropy is None or not ctx.with_entropy:
             grad_entropy = torch.zeros_like(lse)
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            gl, ge = grad_logp[s:s + chunk, None], grad_entropy[s:s + chunk, None]
-            # d logp_t / dz = onehot - p;  d H / dz_v = -p_v (log p_v + H). In place: two [chunk, V] buffers.
-            g = _logits(h, weight, bias, T).sub_(lse[s:s + chunk, None])  # log p
-            p = g.exp()
-            g.add_(entropy[s:s + chunk, None]).mul_(ge).add_(gl).mul_(p).neg_()
-            del p
-            g.scatter_add_(-1, targets[s:s + chunk, None], gl)
-            if T != 1.0:
-                g.div_(T)  # z = logits / T
-            if need_h:
-                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(g.t(), h.to(g.dtype))
-            if grad_b is not None:
-                grad_b += g.sum(dim=0)
+        device, autocast_dtype, autocast = ctx.autocast
+        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast):  # as in forward (see there)
+            for s in range(0, hidden.shape[0], chunk):
+                h = hidden[s:s + chunk]
+                gl, ge = grad_logp[s:s + chunk, None], grad_entropy[s:s + chunk, None]
+                # d logp_t / dz = onehot - p;  d H / dz_v = -p_v (log p_v + H). In place: two [chunk, V] buffers.
+                g = _logits(h, weight, bias, T).sub_(lse[s:s + chunk, None])  # log p
+                p = g.exp()
+                g.add_(entropy[s:s + chunk, None]).mul_(ge).add_(gl).mul_(p).neg_()
+                del p
+                g.scatter_add_(-1, targets[s:s + chunk, None], gl)
+                if T != 1.0:
+                    g.div_(T)  # z = logits / T
+                if need_h:
+                    grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                if need_w:
+                    grad_w.addmm_(g.t(), h.to(g.dtype))
+                if grad_b is not None:
+                    grad_b += g.sum(dim=0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None

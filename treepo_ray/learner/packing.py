@@ -22,8 +22,12 @@ the token's own path; attention goes to the token's ancestors and to the earlier
 (tree_attention.py). Micro-batches are filled up to `micro_batch_tokens`; a tree larger than that is split into
 pieces, each a set of whole subtrees below one node plus that node's ancestors again as context (computed, not
 trained); pieces of one tree that share a micro-batch share their ancestors too, so only ancestors of pieces in
-different micro-batches are computed twice. `packing: none` is one padded row per trajectory, `micro_batch_size`
-rows per micro-batch.
+different micro-batches are computed twice. A single-child chain is never split (a path longer than the budget is
+one piece over it): split node by node, each node computed its whole path again, 9x the unique tokens of a
+paper-sized TreePO tree at half its path length. A node whose piece would hold nothing but context for its
+children's pieces is trained in the first of them instead. The job's default budget is the longest path its
+rollout allows (job/config.py), so a whole path always fits. `packing: none` is one padded row per trajectory,
+`micro_batch_size` rows per micro-batch.
 """
 
 from __future__ import annotations
@@ -197,32 +201,43 @@ class Piece:
 def split_tree(ix: TreeIndex, tree: int, budget: int) -> list[Piece]:
     """Whole tree if it fits in `budget` tokens; else pieces of whole subtrees, each with its ancestors as context.
 
-    A node goes with as many of its children's whole subtrees as fit beside it (in order); a child that does not
-    fit is split the same way. A single path longer than the budget still makes a piece (of one node)."""
+    A node goes with its single-child chain below it (to where the path branches or ends), then with as many of
+    that branch point's children's whole subtrees as fit beside it (in order); a child that does not fit is split
+    the same way. A chain is never cut: each cut would compute its ancestors again, so a chain longer than the
+    budget becomes one piece over it (at most its path, as one unpacked row) rather than one piece per node."""
     pieces: list[Piece] = []
 
-    def emit(top: int, owned: list[int]) -> None:
+    def emit(top: int, owned: list[int], adopted: list[int]) -> None:
         nodes = ix.ancestors(top) + owned
-        pieces.append(Piece(tree, nodes, set(owned), sum(ix.length[n] for n in nodes)))
+        pieces.append(Piece(tree, nodes, set(owned) | set(adopted), sum(ix.length[n] for n in nodes)))
 
-    def place(top: int) -> None:
+    def place(top: int, adopted: list[int]) -> None:
+        # `adopted`: ancestors of `top` that no piece trains yet; they are context here anyway, so trained here.
         if ix.ctx[top] + ix.subtree[top] <= budget or not ix.children[top]:
-            emit(top, ix.subtree_nodes(top))
+            emit(top, ix.subtree_nodes(top), adopted)
             return
-        room = budget - ix.ctx[top] - ix.length[top]
+        chain = [top]
+        while len(ix.children[chain[-1]]) == 1:
+            chain.append(ix.children[chain[-1]][0])
+        end = chain[-1]
+        room = budget - ix.ctx[end] - ix.length[end]
         keep, rest = [], []
-        for c in ix.children[top]:
+        for c in ix.children[end]:
             if ix.subtree[c] <= room:
                 keep.append(c)
                 room -= ix.subtree[c]
             else:
                 rest.append(c)
-        if top or keep:  # the prompt alone trains nothing: its children's pieces carry it as context
-            emit(top, [top] + [n for c in keep for n in ix.subtree_nodes(c)])
+        if keep or not rest:
+            emit(top, chain + [n for c in keep for n in ix.subtree_nodes(c)], adopted)
+            adopted = []
+        else:  # this piece would be context of its first child's piece: that one trains it (the prompt: nothing)
+            adopted = adopted + [n for n in chain if n]
         for c in rest:
-            place(c)
+            place(c, adopted)
+            adopted = []
 
-    place(0)
+    place(0, [])
     return pieces
 
 

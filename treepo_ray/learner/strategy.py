@@ -18,7 +18,7 @@ import math
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,30 @@ DEEPSPEED_OPTIMIZER_STATE = "deepspeed"
 """Optimizer-state format of DeepSpeedZeRO: DeepSpeed's own per-rank partitions (same world size only)."""
 
 
+def assigned_gpus() -> str:
+    """The GPUs this process was given, as CUDA_VISIBLE_DEVICES says (Ray sets it for an actor that asked for
+    GPUs); '' when none."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return "" if value in ("", "-1", "NoDevFiles") else value
+
+
+def require_usable_cuda(who: str) -> None:
+    """Stop with one line when this process was given GPUs that torch cannot use: running on the CPU instead would
+    be silently slow, and the weight path, chosen from the resources asked for, would still pick NCCL."""
+    gpus = assigned_gpus()
+    if not gpus or torch.cuda.is_available():
+        return
+    try:
+        driver = Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        driver = "no NVIDIA driver found (/proc/driver/nvidia/version)"
+    raise RuntimeError(f"{who} was given GPU(s) CUDA_VISIBLE_DEVICES={gpus} but torch {torch.__version__} (CUDA "
+                       f"{torch.version.cuda}) cannot use CUDA; driver: {driver}")
+
+
 def pick_device(rank: int) -> torch.device:
     if not torch.cuda.is_available():
+        require_usable_cuda(f"learner rank {rank}")
         return torch.device("cpu")
     # Under Ray each actor usually sees exactly one GPU; under torchrun LOCAL_RANK says which one is ours.
     local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
@@ -56,7 +78,9 @@ def make_strategy(cfg: LearnerConfig, rank: int = 0, world_size: int = 1, master
     if world_size > 1 and cfg.strategy == "none":
         raise ValueError(f"strategy = 'none' cannot train with world_size = {world_size}; use 'fsdp2'")
     device = pick_device(rank)
-    if world_size == 1:
+    # One rank trains the plain model, unless its caller made a process group of one for FSDP2 (jobs/gpu_check.py
+    # measures FSDP2's mixed precision on one GPU).
+    if world_size == 1 and not (cfg.strategy == "fsdp2" and dist.is_initialized() and dist.get_world_size() == 1):
         return Strategy(cfg, device)
     kind = FSDP2 if cfg.strategy == "fsdp2" else DeepSpeedZeRO
     return kind(cfg, device, rank, world_size, master_addr, master_port)
@@ -77,6 +101,17 @@ class Strategy:
         self.optimizer: Any = None
 
     # ------------------------------------------------------------------ set-up
+
+    def load_model(self, path: str | Path, prepare: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+        """The model at `path` with float32 master weights on this rank's device, `prepare`d (in place) and sharded
+        for this strategy."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        prepare(model)
+        model.to(self.device)
+        self.shard(model)
+        return model
 
     def shard(self, model: torch.nn.Module) -> None:
         """Prepare a freshly loaded model (trained or reference) for this strategy, in place."""
@@ -210,6 +245,34 @@ class _Distributed(Strategy):
 
 class FSDP2(_Distributed):
     """Parameters, gradients and optimizer state sharded with fully_shard; full weights gathered on rank 0."""
+
+    def load_model(self, path: str | Path, prepare: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+        """Rank 0 alone reads the weights, into host memory (once per node); every rank builds the model on the meta
+        device, shards it there and takes its shards of rank 0's weights by broadcast: no GPU ever holds the whole
+        model, and no other rank reads or allocates it."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        full = None
+        if self.rank == 0:
+            full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            prepare(full)  # the same module tree (and state-dict names) as the sharded model's
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        prepare(model)
+        self.shard(model)
+        model.to_empty(device=self.device)
+        weights = full.state_dict() if full is not None else {}
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=True))
+        # Buffers outside the state dict (rotary frequencies) were left empty by to_empty: rank 0's, broadcast.
+        kept = set(model.state_dict())
+        source = dict(full.named_buffers()) if full is not None else {}
+        for name, buffer in model.named_buffers():
+            if name not in kept:
+                if full is not None:
+                    buffer.copy_(source[name])
+                dist.broadcast(buffer, src=0)
+        return model
 
     def shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.device_mesh import init_device_mesh
