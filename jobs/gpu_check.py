@@ -1,27 +1,34 @@
 """The GPU check (`bash jobs/gpu_check.sh [MODEL_DIR]`): every GPU path the CPU tests cannot show, one leg each, in
 at most 10 minutes on one GPU. Each leg runs in a process of its own (one vLLM engine per process: the first would
-hold most of the GPU), within what is left of the time budget.
+hold most of the GPU), within what is left of the time budget, and ends passed, failed, or not run (with why).
 
-    vllm_generate   the vLLM engine on the GPU (its V2 model runner): tree requests with n children, no padded id
-                    sampled, sampled tokens' log-probs against the Hugging Face model's
-    weights         a learner step's weights into a running vLLM engine by every path: the object store (one GPU),
-                    NCCL broadcast from learner rank 0 (two GPUs); the engine's log-probs then follow the new weights
-    learner_step    a learner step with two FSDP2 ranks over NCCL (two GPUs), else one rank
-    learner_memory  the learner's peak GPU memory for one step at a paper-like shape: Qwen2.5-7B's vocabulary and
-                    width (2 layers), 4 sequences of 8k tokens, bf16, gradient checkpointing
-    treepo_e2e      `treepo-ray train`: a 2-step TreePO run with vLLM engines and a GPU learner, end to end
-    vllm_tp2        a vLLM engine with tensor_parallel_size 2 started by the generator pool (two GPUs)
+    vllm_generate        the vLLM engine on the GPU (its V2 model runner): tree requests with n children, no padded id
+                         sampled, sampled tokens' log-probs against the Hugging Face model's
+    weights_cuda_graphs  a learner step's weights into a running vLLM engine with CUDA graphs (enforce_eager=False)
+                         through the object store, twice: the captured graphs must run the new weights (log-probs)
+    weights_broadcast    the same by NCCL broadcast from learner rank 0 (two GPUs: a whole one each)
+    learner_step         a learner step with two FSDP2 ranks over NCCL (two GPUs)
+    learner_memory       the learner's peak GPU memory for one step under FSDP2's mixed precision (bf16 compute,
+                         float32 master weights and AdamW): Qwen2.5-7B's vocabulary and width at 1 and 2 layers, 4
+                         sequences of 8k tokens, gradient checkpointing; extrapolated per layer to its 28 layers and
+                         compared with the GPU's memory (the fewest ranks, up to 8, whose share fits)
+    learner_deep_tree    a paper-depth TreePO tree (16 paths, 14 segments of 512 tokens) packed and trained
+    treepo_e2e           `treepo-ray train`: a 2-step TreePO run with vLLM engines and a GPU learner, end to end
+    vllm_tp2_weights     a vLLM engine with tensor_parallel_size 2 started by the generator pool, a weight reload into
+                         it, its log-probs then following the new weights (two GPUs; by broadcast with a third)
 
 With no MODEL_DIR, the engine legs use a random Qwen2.5-0.5B-shaped model (real vocabulary, padded as the real one)
-built offline. Writes OUT_DIR/summary.json. Exit status: 0 every leg passed (legs that need two GPUs may be skipped
-on one); 1 a leg failed, or was skipped for a reason other than missing hardware (the time budget included); 2 bad
-arguments; 3 no GPU on this machine (nothing ran).
+built offline. Writes OUT_DIR/summary.json. Exit status: 0 every leg ran and passed; 1 a leg failed, or did not run
+for a reason other than this machine's hardware (the time budget included), or the NVIDIA driver is too old or CUDA
+unusable; 2 bad arguments; 3 no GPU on this machine (nothing ran); 4 no leg failed, but some could not run on this
+hardware (e.g. they need two GPUs): not a pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -32,26 +39,63 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = 3
+NOT_ALL_RUN = 4
+MIN_DRIVER = 580
+"""The oldest NVIDIA driver the vLLM 0.32.0 CUDA 13 wheel runs on."""
 BUDGET_S = 570.0  # of the 10 minutes: the rest is start-up and the summary
 # name -> (GPUs it needs, seconds it may take at most); run in this order.
 LEGS = {
-    "vllm_generate": (1, 120),
-    "weights": (1, 150),
-    "learner_step": (1, 90),
+    "vllm_generate": (1, 80),
+    "weights_cuda_graphs": (1, 130),
+    "weights_broadcast": (2, 120),
+    "learner_step": (2, 90),
     "learner_memory": (1, 120),
-    "treepo_e2e": (1, 180),
-    "vllm_tp2": (2, 120),
+    "learner_deep_tree": (1, 90),
+    "treepo_e2e": (1, 140),
+    "vllm_tp2_weights": (2, 150),
 }
+PAPER_LAYERS = 28  # Qwen2.5-7B's
 PROMPTS = [[40 + i, 41, 42 + 2 * i, 43, 44, 45 + i, 46, 47] * 4 for i in range(4)]
 
 
 # ---------------------------------------------------------------------------------------------- the summary
 
 
+class CannotRunHere(Exception):
+    """Raised by a leg that this machine's hardware cannot run: the leg ends 'not run', never 'passed'."""
+
+
 def exit_status(legs: dict[str, dict]) -> int:
-    """0 when every leg passed or was skipped for missing hardware, else 1."""
-    ok = all(leg["status"] == "passed" or (leg["status"] == "skipped" and leg.get("hardware")) for leg in legs.values())
-    return 0 if ok else 1
+    """0 when every leg ran and passed; 1 when one failed or did not run for another reason than the hardware;
+    else NOT_ALL_RUN (some legs could not run on this hardware)."""
+    if any(leg["status"] == "failed" or (leg["status"] == "not_run" and not leg.get("hardware"))
+           for leg in legs.values()):
+        return 1
+    return NOT_ALL_RUN if any(leg["status"] != "passed" for leg in legs.values()) else 0
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[0] if out else None
+
+
+def driver_problem(version: str | None) -> str | None:
+    """Why this driver cannot run the check, or None."""
+    if version is None:
+        return None
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        return f"cannot read the NVIDIA driver version {version!r}"
+    if major < MIN_DRIVER:
+        return (f"NVIDIA driver {version} is older than the {MIN_DRIVER} that vLLM 0.32.0's CUDA 13 wheel needs: "
+                "upgrade the driver")
+    return None
 
 
 def gpus_here() -> tuple[int, list[str]]:
@@ -72,7 +116,7 @@ def gpus_here() -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jobs/gpu_check.sh", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="jobs/gpu_check.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="", help="an HF model directory (default: random models)")
     parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"), help="where summary.json goes")
     parser.add_argument("--legs", default=",".join(LEGS), help="comma-separated legs to run (default: all)")
@@ -91,17 +135,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     gpus, names = gpus_here()
-    summary = {"gpus": gpus, "gpu_names": names, "python": sys.executable, "legs": {}}
-    if gpus == 0 and not args.rehearse_on_cpu:
-        print("gpu_check: no GPU on this machine (torch sees no CUDA device): nothing ran", file=sys.stderr)
-        summary["exit_status"] = NO_GPU
+    driver = driver_version()
+    summary = {"gpus": gpus, "gpu_names": names, "driver": driver, "python": sys.executable, "legs": {}}
+    stop, status = None, 0
+    if not args.rehearse_on_cpu:
+        if driver_problem(driver):
+            stop, status = driver_problem(driver), 1
+        elif gpus == 0 and driver:
+            stop, status = (f"NVIDIA driver {driver} is here, but torch {_torch_build()} cannot use CUDA: a CPU "
+                            "build of torch, or a driver too old for it"), 1
+        elif gpus == 0:
+            stop, status = "no GPU on this machine (torch sees no CUDA device, no nvidia-smi)", NO_GPU
+    if stop:
+        print(f"gpu_check: {stop}: nothing ran (exit {status})", file=sys.stderr)
+        summary["exit_status"], summary["stopped"] = status, stop
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        return NO_GPU
+        return status
     device = "cpu" if args.rehearse_on_cpu else "cuda"
     started = time.monotonic()
     context = {"device": device, "gpus": gpus, "out": str(out), "model": args.model,
                "rehearse": args.rehearse_on_cpu}
-    print(f"== gpu_check: {gpus} GPU(s) {names}, python {sys.executable}, legs {legs}", flush=True)
+    print(f"== gpu_check: {gpus} GPU(s) {names}, NVIDIA driver {driver}, python {sys.executable}, legs {legs}",
+          flush=True)
     try:
         context["models"] = build_models(out / "models", args.model, args.rehearse_on_cpu)
     except Exception as err:  # noqa: BLE001 - no model, no leg
@@ -114,19 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         need, limit = LEGS[name]
         left = BUDGET_S - (time.monotonic() - started)
         if gpus < need and not args.rehearse_on_cpu:
-            summary["legs"][name] = {"status": "skipped", "hardware": True, "reason": f"needs {need} GPUs"}
+            summary["legs"][name] = {"status": "not_run", "hardware": True, "reason": f"needs {need} GPUs"}
         elif left < 20:
-            summary["legs"][name] = {"status": "skipped", "reason": f"the {BUDGET_S:.0f} s budget ran out"}
+            summary["legs"][name] = {"status": "not_run", "reason": f"the {BUDGET_S:.0f} s budget ran out"}
         else:
             summary["legs"][name] = run_leg_process(name, out, min(limit, left))
         leg = summary["legs"][name]
-        print(f"== {name}: {leg['status']}" + (f" ({leg['reason']})" if leg.get("reason") else "")
+        print(f"== {name}: {leg['status'].replace('_', ' ')}" + (f" ({leg['reason']})" if leg.get("reason") else "")
               + (f" {json.dumps(leg.get('figures', {}))}" if leg.get("figures") else ""), flush=True)
     summary["seconds"] = time.monotonic() - started
-    summary["exit_status"] = exit_status(summary["legs"])
+    summary["exit_status"] = status = exit_status(summary["legs"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"== gpu_check: exit {summary['exit_status']} after {summary['seconds']:.0f} s; {out / 'summary.json'}")
-    return summary["exit_status"]
+    counts = {s: sum(leg["status"] == s for leg in summary["legs"].values()) for s in ("passed", "failed", "not_run")}
+    verdict = {0: "every leg ran and passed", 1: "FAILED",
+               NOT_ALL_RUN: "not a pass: some legs could not run on this hardware"}[status]
+    print(f"== gpu_check: {verdict} ({counts['passed']} passed, {counts['failed']} failed, {counts['not_run']} not "
+          f"run); exit {status} after {summary['seconds']:.0f} s; {out / 'summary.json'}")
+    return status
 
 
 def run_leg_process(name: str, out: Path, limit_s: float) -> dict:
@@ -159,11 +218,21 @@ def run_leg(name: str, context: dict) -> int:
     try:
         figures = globals()[f"leg_{name}"](context)
         result = {"status": "passed", "figures": figures}
+    except CannotRunHere as err:
+        result = {"status": "not_run", "hardware": True, "reason": str(err)}
     except Exception as err:  # noqa: BLE001 - a failed leg is reported, the others still run
         traceback.print_exc()
         result = {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
     path.write_text(json.dumps(result, indent=2))
     return 0 if result["status"] == "passed" else 1
+
+
+def _torch_build() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "(not installed)"
+    return f"{torch.__version__} (CUDA {torch.version.cuda})"
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -185,11 +254,25 @@ def build_models(where: Path, model_dir: str, rehearse: bool) -> dict[str, str]:
         if not (engine / "config.json").is_file():
             build_random_model(engine, "qwen2.5-0.5b", max_positions=4096, **(TINY if rehearse else {}))
         models["engine"] = str(engine)
-    memory = where / ("tiny-wide" if rehearse else "qwen2.5-7b-2layers")
-    if not (memory / "config.json").is_file():
-        shape = dict(TINY) if rehearse else dict(num_hidden_layers=2)
-        build_random_model(memory, "qwen2.5-7b", max_positions=8192 + 64, **shape)
-    models["memory"] = str(memory)
+    # The memory leg's two depths (one layer's cost is their difference): the 2-layer model, and its 1-layer view
+    # (its config, its weights file: the second layer's weights go unused), so only one large model is built.
+    two = where / ("tiny-wide" if rehearse else "qwen2.5-7b-2layers")
+    if not (two / "config.json").is_file():
+        build_random_model(two, "qwen2.5-7b", max_positions=8192 + 64, **{**(TINY if rehearse else {}),
+                                                                         "num_hidden_layers": 2})
+    one = where / (two.name + "-1layer")
+    if not (one / "config.json").is_file():
+        one.mkdir(parents=True, exist_ok=True)
+        for item in two.iterdir():
+            if item.name != "config.json":
+                (one / item.name).unlink(missing_ok=True)
+                (one / item.name).symlink_to(item.resolve())
+        config = json.loads((two / "config.json").read_text())
+        config["num_hidden_layers"] = 1
+        if "layer_types" in config:  # one entry per layer
+            config["layer_types"] = config["layer_types"][:1]
+        (one / "config.json").write_text(json.dumps(config, indent=2))
+    models["memory1"], models["memory2"] = str(one), str(two)
     return models
 
 
@@ -214,11 +297,12 @@ def _logprob_gap(model, prompt: list[int], tokens: list[int], logprobs: list[flo
     return float((ref - torch.tensor(logprobs)).abs().mean())
 
 
-def _vllm_kwargs(context: dict, share: float) -> dict:
-    """vLLM engine arguments: bf16 on the GPU, no CUDA graph capture (start-up time), `share` of the GPU's memory."""
+def _vllm_kwargs(context: dict, share: float, eager: bool = True) -> dict:
+    """vLLM engine arguments: bf16 on the GPU, `share` of the GPU's memory; `eager`: no CUDA graph capture (start-up
+    time) where the leg is not about CUDA graphs."""
     if context["device"] != "cuda":
         return {"max_model_len": 1024}
-    return {"dtype": "bfloat16", "enforce_eager": True, "gpu_memory_utilization": share, "max_model_len": 2048}
+    return {"dtype": "bfloat16", "enforce_eager": eager, "gpu_memory_utilization": share, "max_model_len": 2048}
 
 
 def _require_vllm(device: str) -> None:
@@ -264,11 +348,31 @@ def leg_vllm_generate(context: dict) -> dict:
 def _start_ray(context: dict) -> None:
     import ray
 
-    ray.init(num_cpus=max(os.cpu_count() or 2, 4), num_gpus=context["gpus"], include_dashboard=False,
+    # address="local": a Ray of the leg's own, never a cluster that happens to run on this machine.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 2, 4), num_gpus=context["gpus"], include_dashboard=False,
              log_to_driver=False)
 
 
-def leg_weights(context: dict) -> dict:
+def leg_weights_cuda_graphs(context: dict) -> dict:
+    return _weights_leg(context, ("object_store", "object_store"), eager=False)
+
+
+def leg_weights_broadcast(context: dict) -> dict:
+    return _weights_leg(context, ("broadcast", "broadcast"), eager=True)
+
+
+def leg_vllm_tp2_weights(context: dict) -> dict:
+    """Both ways into a tensor-parallel engine: the object store (the engine hands CPU tensors to its workers), then a
+    broadcast that each worker joins on its own GPU (NCCL from a learner on a third GPU; with two GPUs, gloo from a
+    learner on the CPU)."""
+    if context["device"] != "cuda":
+        raise CannotRunHere("tensor parallelism needs vLLM on GPUs")
+    return _weights_leg(context, ("object_store", "broadcast"), eager=True, tp=2)
+
+
+def _weights_leg(context: dict, paths: tuple[str, str], eager: bool, tp: int = 1) -> dict:
+    """A learner step's weights into a running engine (`tp` GPUs), once by each of `paths`; after each, the engine's
+    log-probs must follow the new weights (and not the old ones)."""
     import ray
     from transformers import AutoTokenizer
 
@@ -280,30 +384,34 @@ def leg_weights(context: dict) -> dict:
     from treepo_ray.runtime.weights import WeightSync
 
     device, gpus = context["device"], context["gpus"]
-    engine_name = "vllm" if device == "cuda" or _has_vllm() else "hf"
-    if device == "cuda":
+    cuda = device == "cuda"
+    engine_name = "vllm" if cuda or _has_vllm() else "hf"
+    if cuda:
         _require_vllm(device)
+    whole = gpus >= tp + 1  # learner and engine each on GPUs of their own; else they share one (tp = 1)
+    if "broadcast" in paths and cuda and not whole and tp == 1:
+        raise CannotRunHere("NCCL broadcast needs 2 GPUs (NCCL refuses two ranks on one GPU)")
     path = context["models"]["engine"]
     _start_ray(context)
-    whole = gpus >= 2  # learner and engine each on a GPU of their own; else they share one
-    share = 1.0 if whole else (0.5 if device == "cuda" else 0.0)
-    kwargs = _vllm_kwargs(context, 0.8 if whole else 0.3) if engine_name == "vllm" else {}
-    rt = RuntimeConfig(engine_cpus=1, engine_gpus=share, learner_cpus=1, learner_gpus=share)
-    pool = GeneratorPool(EngineSpec(engine_name, path, kwargs, 1, 1, share, {}), rt)
+    engine_gpus = tp if whole or tp > 1 else (0.5 if cuda else 0.0)
+    learner_gpus = 1.0 if whole else (0.5 if cuda and tp == 1 else 0.0)  # tp on every GPU: the learner on CPU
+    kwargs = _vllm_kwargs(context, 0.8 if whole or tp > 1 else 0.3, eager) if engine_name == "vllm" else {}
+    if tp > 1:
+        kwargs["tensor_parallel_size"] = tp
+    rt = RuntimeConfig(engine_cpus=1, engine_gpus=engine_gpus, learner_cpus=1, learner_gpus=learner_gpus)
+    pool = GeneratorPool(EngineSpec(engine_name, path, kwargs, 1, 1, engine_gpus, {}), rt)
     dtype = ray.get(next(iter(pool.members().values())).describe.remote())["weights_dtype"]
-    backend = "nccl" if device == "cuda" else "gloo"
-    group = LearnerGroup(path, LearnerConfig(lr=5e-3, micro_batch_size=4, dtype="bfloat16" if device == "cuda"
-                                             else "float32"), rt, WeightSync("object_store", dtype, backend,
-                                                                             64 << 20, 120.0))
+    backend = "nccl" if learner_gpus else "gloo"
+    learner_dtype = "bfloat16" if learner_gpus else "float32"
+    group = LearnerGroup(path, LearnerConfig(lr=5e-3, micro_batch_size=4, dtype=learner_dtype), rt,
+                         WeightSync(paths[0], dtype, backend, 64 << 20, 120.0, tp))
     samples = [TrainSample(p, p[:8], advantages=1.0 if i % 2 else -1.0) for i, p in enumerate(PROMPTS)]
-    paths = ["object_store"] + (["broadcast"] if whole or device == "cpu" else [])
-    figures, model = {"engine": engine_name, "dtype": dtype}, _hf(path, device)
-    vocab = len(AutoTokenizer.from_pretrained(path))
-    version = 0
-    for how in paths:
+    figures = {"engine": engine_name, "dtype": dtype, "backend": backend, "tensor_parallel_size": tp,
+               "enforce_eager": eager, "loads": []}
+    model, vocab = _hf(path, device), len(AutoTokenizer.from_pretrained(path))
+    for version, how in enumerate(paths, start=1):
+        group.weights = WeightSync(how, dtype, backend, 64 << 20, 120.0, tp)
         group.train_step(ray.put(samples))
-        version += 1
-        group.weights = WeightSync(how, dtype, backend, 64 << 20, 120.0)
         published = group.publish(version)
         start = time.perf_counter()
         pool.load_weights(published, version)
@@ -320,11 +428,9 @@ def leg_weights(context: dict) -> dict:
             raise AssertionError(f"{how}: the engine does not run weights v{version} (version "
                                  f"{res.weights_version}, log-prob gap {gap_new:.4f} to the new weights, "
                                  f"{gap_old:.4f} to the old)")
-        figures[how] = {"bytes": published.metrics()["weights/bytes"], "seconds": seconds,
-                        "logprob_gap_new": gap_new, "logprob_gap_old": gap_old}
+        figures["loads"].append({"path": how, "bytes": published.metrics()["weights/bytes"], "seconds": seconds,
+                                 "logprob_gap_new": gap_new, "logprob_gap_old": gap_old})
         model.load_state_dict({k: v.to(device) for k, v in ray.get(group.export_weights()).items()}, strict=False)
-    if "broadcast" not in figures:
-        figures["broadcast"] = "skipped: needs 2 GPUs (NCCL refuses two ranks on one GPU)"
     pool.close()
     group.close()
     return figures
@@ -346,8 +452,8 @@ def leg_learner_step(context: dict) -> dict:
     from treepo_ray.runtime.learner import LearnerGroup
     from treepo_ray.runtime.weights import WeightSync
 
-    device, gpus = context["device"], context["gpus"]
-    ranks = 2 if gpus >= 2 or device == "cpu" else 1
+    device = context["device"]
+    ranks = 2  # the leg needs two GPUs (LEGS)
     _start_ray(context)
     cfg = LearnerConfig(lr=1e-5, micro_batch_size=4, dtype="bfloat16" if device == "cuda" else "float32",
                         gradient_checkpointing=True)
@@ -361,39 +467,129 @@ def leg_learner_step(context: dict) -> dict:
     group.close()
     if metrics["skipped"] or not metrics["steps"]:
         raise AssertionError(f"the step was skipped: {metrics}")
-    return {"ranks": ranks, "backend": "nccl" if device == "cuda" and ranks > 1 else "none" if ranks == 1 else "gloo",
+    return {"ranks": ranks, "backend": "nccl" if device == "cuda" else "gloo",
             "seconds": seconds, "tokens": metrics["tokens"], "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"]}
 
 
 def leg_learner_memory(context: dict) -> dict:
+    """Peak memory of one step under FSDP2 (a process group of one rank) at 1 and 2 layers; the difference is one
+    layer's cost, extrapolated to PAPER_LAYERS. The optimizer state (float32 weights, gradients, two AdamW moments:
+    16 bytes a parameter) is what FSDP2 shards over ranks; the rest (activations, gathered bf16 layers) is not."""
+    import gc
+
     import torch
+    import torch.distributed as dist
 
     from treepo_ray.learner import Learner, LearnerConfig, TrainSample
 
-    device = context["device"]
-    rehearse = context["rehearse"]
+    device, rehearse = context["device"], context["rehearse"]
     seqs, length = (4, 128) if rehearse else (4, 8192)
-    cfg = LearnerConfig(lr=1e-6, micro_batch_size=4, dtype="bfloat16" if device == "cuda" else "float32",
-                        gradient_checkpointing=True, strategy="none")
-    learner = Learner(context["models"]["memory"], cfg)
-    gen = torch.Generator().manual_seed(0)
-    vocab = learner.vocab_size - 400 if not rehearse else 1000
-    samples = [TrainSample(torch.randint(2, vocab, (64,), generator=gen).tolist(),
-                           torch.randint(2, vocab, (length - 64,), generator=gen).tolist(),
-                           advantages=1.0 if i % 2 else -1.0) for i in range(seqs)]
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    cfg = LearnerConfig(lr=1e-6, micro_batch_size=4, micro_batch_tokens=length, strategy="fsdp2",
+                        dtype="bfloat16" if device == "cuda" else "float32", gradient_checkpointing=True)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
+    peaks, params, figures = {}, {}, {}
+    for layers in (1, 2):
+        learner = Learner(context["models"][f"memory{layers}"], cfg)
+        if type(learner.strategy).__name__ != "FSDP2":
+            raise AssertionError(f"the learner runs {type(learner.strategy).__name__}, not FSDP2")
+        gen = torch.Generator().manual_seed(0)
+        vocab = learner.vocab_size - 1
+        samples = [TrainSample(torch.randint(2, vocab, (64,), generator=gen).tolist(),
+                               torch.randint(2, vocab, (length - 64,), generator=gen).tolist(),
+                               advantages=1.0 if i % 2 else -1.0) for i in range(seqs)]
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        metrics = learner.train_step(samples)
+        figures[f"seconds_{layers}_layers"] = time.perf_counter() - start
+        if metrics["skipped"] or not metrics["steps"]:
+            raise AssertionError(f"the step was skipped: {metrics}")
+        peaks[layers] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+        params[layers] = sum(p.numel() for p in learner.model.parameters())
+        config = learner.model.config
+        learner.close()
+        del learner
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    figures["shape"] = {"vocab": config.vocab_size, "hidden": config.hidden_size, "sequences": seqs,
+                        "tokens_each": length, "paper_layers": PAPER_LAYERS}
+    if device != "cuda":
+        return figures
+    per_layer = peaks[2] - peaks[1]
+    if per_layer <= 0:
+        raise AssertionError(f"a second layer did not add memory ({peaks[1]:.2f} -> {peaks[2]:.2f} GiB)")
+    peak = peaks[1] + (PAPER_LAYERS - 1) * per_layer
+    states = 16 * (params[1] + (PAPER_LAYERS - 1) * (params[2] - params[1])) / 2**30
+    gpu = torch.cuda.get_device_properties(0).total_memory / 2**30
+    per_rank = {r: peak - states * (1 - 1 / r) for r in (1, 2, 4, 8)}
+    fits = [r for r, gib in per_rank.items() if gib < 0.9 * gpu]
+    figures.update(peak_gib={str(k): v for k, v in peaks.items()}, per_layer_gib=per_layer, predicted_peak_gib=peak,
+                   optimizer_state_gib=states, per_rank_gib={str(r): v for r, v in per_rank.items()}, gpu_gib=gpu,
+                   ranks_needed=fits[0] if fits else None)
+    if not fits:
+        raise AssertionError(f"at {PAPER_LAYERS} layers one step would need {per_rank[8]:.1f} GiB on each of 8 "
+                             f"ranks; this GPU has {gpu:.1f} GiB")
+    return figures
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def paper_depth_tree(prompt_len: int, segment_len: int, vocab: int, depth: int = 14, width: int = 16, seed: int = 0):
+    """A TreePO-shaped tree: `width` paths that split in two at each of the first log2(width) depths, then run on
+    to `depth` segments each; random tokens, alternating advantages."""
+    import random
+
+    from treepo_ray.learner.batch import TrainTree
+
+    rng = random.Random(seed)
+    segment = lambda: [rng.randrange(2, vocab) for _ in range(segment_len)]  # noqa: E731
+    parent, tokens, frontier = [-1], [[]], [0]
+    for d in range(depth):
+        children = 2 if len(frontier) < width else 1
+        grown = []
+        for node in frontier:
+            for _ in range(children):
+                parent.append(node)
+                tokens.append(segment())
+                grown.append(len(parent) - 1)
+        frontier = grown
+    return TrainTree([rng.randrange(2, vocab) for _ in range(prompt_len)], parent, tokens, frontier,
+                     [1.0 if i % 2 else -1.0 for i in range(len(frontier))])
+
+
+def leg_learner_deep_tree(context: dict) -> dict:
+    import torch
+
+    from treepo_ray.learner import Learner, LearnerConfig
+    from treepo_ray.learner.batch import tree_tokens
+
+    device, rehearse = context["device"], context["rehearse"]
+    prompt_len, segment_len = (16, 8) if rehearse else (256, 512)
+    longest = prompt_len + 14 * segment_len  # the micro-batch budget must hold the longest path
+    cfg = LearnerConfig(lr=1e-6, micro_batch_size=4, micro_batch_tokens=longest + 64,
+                        dtype="bfloat16" if device == "cuda" else "float32", gradient_checkpointing=True)
+    learner = Learner(context["models"]["engine"], cfg)
+    tree = paper_depth_tree(prompt_len, segment_len, learner.vocab_size)
+    depths = [len(tree.path(leaf)) for leaf in tree.trajectories]
     start = time.perf_counter()
-    metrics = learner.train_step(samples)
+    metrics = learner.train_step([tree])
     seconds = time.perf_counter() - start
-    config = learner.model.config
-    figures = {"shape": {"vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.num_hidden_layers,
-                         "sequences": seqs, "tokens_each": length},
-               "seconds": seconds, "loss": metrics["loss"]}
+    if metrics["skipped"] or not metrics["steps"] or not math.isfinite(metrics["loss"]):
+        raise AssertionError(f"the deep tree's step was skipped or not finite: {metrics}")
+    figures = {"paths": len(tree.trajectories), "depth": max(depths), "unique_tokens": tree_tokens(tree),
+               "path_tokens": sum(tree.response_length(leaf) for leaf in tree.trajectories),
+               "seconds": seconds, "loss": metrics["loss"], "tokens": metrics.get("tokens")}
     if device == "cuda":
         figures["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        figures["gpu_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     return figures
 
 
@@ -429,29 +625,6 @@ def leg_treepo_e2e(context: dict) -> dict:
     return {"engine": engine, "steps": summary["steps"], "seconds": seconds,
             "weights_broadcast": synced[-1].get("weights/broadcast"), "weights_bytes": synced[-1]["weights/bytes"],
             "trajectories_per_s": summary["trajectories_per_s"]}
-
-
-def leg_vllm_tp2(context: dict) -> dict:
-    from transformers import AutoTokenizer
-
-    from treepo_ray.engines.base import SamplingParams, SegmentRequest
-    from treepo_ray.job.config import RuntimeConfig
-    from treepo_ray.runtime.pool import EngineSpec, GeneratorPool
-
-    _require_vllm(context["device"])
-    path = context["models"]["engine"]
-    _start_ray(context)
-    kwargs = {**_vllm_kwargs(context, 0.6), "tensor_parallel_size": 2}
-    pool = GeneratorPool(EngineSpec("vllm", path, kwargs, 1, 1, 2, {}), RuntimeConfig(engine_gpus=2))
-    (res,) = pool.router().call_sync("tp", "generate", [SegmentRequest("tp", PROMPTS[0], 32, 4,
-                                                                       SamplingParams(1.0, seed=3))])
-    pool.close()
-    model = _hf(path, context["device"])
-    vocab = len(AutoTokenizer.from_pretrained(path))
-    gap = max(_logprob_gap(model, PROMPTS[0], c.token_ids, c.logprobs, vocab) for c in res.children)
-    if gap > 0.05:
-        raise AssertionError(f"tensor-parallel vLLM's log-probs differ from the HF model's by {gap:.4f} (> 0.05)")
-    return {"logprob_gap_max_mean": gap, "tokens": sum(len(c.token_ids) for c in res.children)}
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check: each GPU path the CPU tests cannot show (vLLM engine generate + log-probs vs HF, weight updates by
-# every path, an NCCL learner step, the learner's peak memory at a paper-like shape, a short TreePO run end to end,
-# tensor-parallel vLLM with two GPUs), one process per leg, at most 10 minutes on one GPU. See jobs/gpu_check.py.
+# The GPU check: each GPU path the CPU tests cannot show (vLLM engine generate + log-probs vs HF, weight reloads into
+# an engine running CUDA graphs, NCCL broadcast, an NCCL learner step, the learner's peak memory under FSDP2 mixed
+# precision extrapolated to the paper model's 28 layers, a paper-depth tree through the learner, a short TreePO run
+# end to end, a weight reload into a tensor-parallel vLLM engine), one process per leg, at most 10 minutes on one
+# GPU. Each leg ends passed, failed or not run (with why). See jobs/gpu_check.py.
 #
 #   bash jobs/gpu_check.sh [MODEL_DIR] [--out DIR] [--legs a,b]   (no MODEL_DIR: random models of real shapes)
 #
-# Writes DIR/summary.json (default runs/gpu_check). Exit status: 0 every leg passed (two-GPU legs may be skipped on
-# one GPU); 1 a leg failed or was skipped for another reason; 2 bad arguments; 3 no GPU here (nothing ran).
+# Writes DIR/summary.json (default runs/gpu_check), with the NVIDIA driver's version. Exit status: 0 every leg ran
+# and passed; 1 a leg failed or did not run for a reason other than the hardware, or the driver is older than the
+# 580 vLLM 0.32.0's CUDA 13 wheel needs, or torch cannot use the GPUs; 2 bad arguments; 3 no GPU here (nothing ran);
+# 4 no leg failed but some could not run on this hardware (e.g. two-GPU legs on one GPU): not a pass.
 # PYTHON: the interpreter with the project and its [vllm] extra (pip install -e ".[vllm]"); default .venv/bin/python
 # if it exists, else python3. Never the CPU build's .venv-vllm: the check is about the GPU build.
 set -uo pipefail

@@ -173,3 +173,34 @@ def test_weights_stream_from_a_broadcast_into_the_running_model(engine, padded, 
             expected.append(tok)
             ids.append(tok)
     assert res.children[0].token_ids == expected and res.weights_version == version
+
+
+def test_each_worker_joins_the_broadcast_and_reloads_what_lands(engine, padded, tmp_path):
+    """The path of a tensor-parallel engine (each of its workers joins the broadcast in its own process and reloads
+    from the buckets that land on its GPU), run here on the one worker of the CPU engine: the weights never pass
+    through the engine's caller, and the engine then generates the new model's greedy tokens under the new
+    version."""
+    from treepo_ray.engines.weights import Receiver
+
+    path_c, hf_c = _build_padded(tmp_path / "c", seed=2)
+    manifest = export_packed(hf_c, "float32", 0).manifest()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(path_c), "4096"], stdout=subprocess.PIPE, env=env,
+                              text=True)
+    try:
+        port = int(sender.stdout.readline())
+        version = engine.weights_version + 1
+        engine.load_weights_from(Receiver(manifest, "127.0.0.1", port, 1, 2, "gloo", 4096, 60.0), version)
+        assert sender.wait(timeout=60) == 0
+    finally:
+        sender.kill()
+    assert engine.weight_receivers == 1
+    prompt = list(range(40, 70))
+    (res,) = generate(engine, [SegmentRequest("workers", prompt, 10, params=GREEDY)])
+    expected, ids = [], list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            tok = int(hf_c(torch.tensor([ids])).logits[0, -1, :TOKENIZER_VOCAB].argmax())
+            expected.append(tok)
+            ids.append(tok)
+    assert res.children[0].token_ids == expected and res.weights_version == version

@@ -116,11 +116,12 @@ def test_auto_path_broadcasts_between_whole_gpus_only():
     assert path() == "object_store"  # CPU
     assert path("runtime.learner_gpus=1", "runtime.engine_gpus=1") == "broadcast"
     assert path("runtime.learner_gpus=0.5", "runtime.engine_gpus=0.5") == "object_store"  # may share one GPU
-    tp2 = ["runtime.learner_gpus=1", "runtime.engine_gpus=0", "model.engine=vllm",
-           "model.engine_kwargs={tensor_parallel_size: 2}"]
-    assert path(*tp2) == "object_store"
-    with pytest.raises(ValueError, match="tensor_parallel_size = 2"):
-        path(*tp2, "runtime.weights.path=broadcast")
+    tp2 = ["runtime.learner_gpus=1", "model.engine=vllm", "model.engine_kwargs={tensor_parallel_size: 2}"]
+    assert path(*tp2, "runtime.engine_gpus=0") == "object_store"
+    # A tensor-parallel engine's workers each join the broadcast on their own GPU: one rank each.
+    assert path(*tp2, "runtime.engine_gpus=1") == "broadcast"
+    sync = WeightSync.for_run(load_config(None, [*tp2, "runtime.engine_gpus=1"]), "bfloat16")
+    assert (sync.backend, sync.ranks_per_engine) == ("nccl", 2)
     assert path("runtime.weights.path=broadcast") == "broadcast"  # gloo on CPU
 
 
@@ -137,3 +138,48 @@ def test_the_loop_logs_each_syncs_path_and_bytes(ray_local, tiny):
         assert {s["weights_version"] for s in rt.supervisor.pool.stats()} == {1}
     finally:
         rt.supervisor.shutdown()
+
+
+def _break_after_first_tensor(actor, how: str) -> None:
+    """Make the engine behind `actor` take weights as a stream and, after the first tensor of a broadcast arrives
+    (buckets still to come), exit ('die': a spot engine lost mid-transfer) or stop answering ('hang')."""
+    def arm(a):
+        import os
+        import time
+
+        def load_weights(pairs, version):
+            next(iter(pairs))
+            if how == "die":
+                os._exit(1)
+            time.sleep(3600)
+
+        a.engine.loads_weight_stream = True
+        a.engine.load_weights = load_weights
+
+    ray.get(actor.__ray_call__.remote(arm))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["die", "hang"])
+def test_an_engine_lost_or_stuck_mid_transfer_leaves_the_learner_and_the_other_engines_running(ray_local, tiny, how):
+    sync = WeightSync(path="broadcast", dtype="float32", backend="gloo", bucket_bytes=16 << 10, timeout_s=3.0)
+    group = LearnerGroup(tiny, LearnerConfig(lr=1e-2, micro_batch_size=2), RT, sync)
+    pool = GeneratorPool(EngineSpec("hf", tiny, {}, 1, 0, 0, {}), RuntimeConfig(num_engines=2))
+    try:
+        p1, v1 = _train_and_publish(group, 1)
+        broken, survivor = pool.members().values()
+        _break_after_first_tensor(broken, how)
+        # The transfer fails with the broken engine (a stuck one is killed past the transfer's deadline) and is
+        # sent again to the survivor; the run goes on without the broken one.
+        pool.load_weights(p1, 1)
+        assert pool.weights_version == 1 and list(pool.members().values()) == [survivor]
+        assert _same(_engine_weights(survivor), v1)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(broken.stats.remote(), timeout=30)
+        # Learner rank 0 (the sender) lives on: it trains and sends the next version.
+        p2, v2 = _train_and_publish(group, 2)
+        pool.load_weights(p2, 2)
+        assert _same(_engine_weights(survivor), v2)
+    finally:
+        pool.close()
+        group.close()

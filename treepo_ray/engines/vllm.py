@@ -423,6 +423,23 @@ class VLLMEngine:
             raise ValueError(f"load_weights(version={version}): {type(e).__name__}: {e}") from e
         self._commit_version(version)
 
+    @property
+    def weight_receivers(self) -> int:
+        """Ranks this engine takes in a weight broadcast: one per tensor-parallel worker."""
+        return int(self.info.engine_args.get("tensor_parallel_size", 1) or 1)
+
+    def load_weights_from(self, receiver, version: int) -> None:
+        """Every worker joins a broadcast (engines/weights.py's `Receiver`; worker i as its rank + i) and loads the
+        (name, tensor) pairs as they land on its own GPU: a tensor-parallel engine's weights never pass through this
+        process or its CPU."""
+        self._check_update(version)
+        try:
+            self._engine.collective_rpc(_receive_and_reload, args=(receiver,))
+        except (KeyError, AssertionError, ValueError, RuntimeError) as e:
+            self._broken_update = f"load_weights(version={version}) failed half-way ({type(e).__name__}: {e})"
+            raise ValueError(f"load_weights(version={version}): {type(e).__name__}: {e}") from e
+        self._commit_version(version)
+
     def _check_update(self, version: int) -> None:
         if not isinstance(version, int) or version < self._version:
             raise ValueError(f"weights version must be an int >= the current {self._version}, got {version!r}")
@@ -452,3 +469,13 @@ class VLLMEngine:
         shutdown = getattr(self._engine.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _receive_and_reload(worker, receiver) -> None:
+    """On one vLLM worker (its process, its GPU current): receive the broadcast as rank receiver.rank + the worker's
+    rank and reload the model from it, bucket by bucket."""
+    pairs = receiver.pairs(offset=worker.rank)
+    try:
+        worker.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
+    finally:
+        pairs.close()  # after a failed reload: the rest drained so the sender and the other workers finish

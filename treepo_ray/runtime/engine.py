@@ -66,7 +66,9 @@ class EngineActor:
         import torch
 
         from treepo_ray.engines import make_engine
+        from treepo_ray.learner.strategy import require_usable_cuda
 
+        require_usable_cuda(f"engine {engine}")  # a GPU given by Ray must be used, never a silent CPU fallback
         if engine == "hf" and "device" not in engine_kwargs and torch.cuda.is_available():
             engine_kwargs = {**engine_kwargs, "device": "cuda"}  # an actor given a GPU (Ray set its visibility) uses it
         self.engine = make_engine(engine, model_path, **engine_kwargs)

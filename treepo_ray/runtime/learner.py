@@ -19,7 +19,8 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treepo_ray import storage
-from treepo_ray.job.faults import LearnerLost, RunStopped
+from treepo_ray.config import UserError
+from treepo_ray.job.faults import LearnerLost
 from treepo_ray.runtime.engine import limit_threads, release_placement
 from treepo_ray.runtime.liveness import DeadlineExceeded, actor_lost, brief, get, started
 from treepo_ray.runtime.weights import ObjectStoreWeights, WeightSync
@@ -113,8 +114,10 @@ class LearnerActor:
         group = Broadcast(store, 0, world_size, backend, timeout_s, device)
         try:
             group.send(packed, bucket_bytes)
-        finally:
-            group.close()
+        except BaseException:
+            group.close(failed=True)  # a receiver lost or stuck: the exception goes to the driver, this rank lives on
+            raise
+        group.close()
         return packed.nbytes
 
     @ray.method(concurrency_group="weights")
@@ -244,8 +247,8 @@ class LearnerGroup:
         finally:
             storage.delete(probe)
         blind = [f"learner rank {i}" for i, ok in enumerate(seen) if not ok]
-        if blind:
-            raise RunStopped(f"the run storage {run_dir} is not reachable from {', '.join(blind)}: every node must "
+        if blind:  # a setup mistake, not a fault of the run: one line and exit status 2 (cli.py)
+            raise UserError(f"the run storage {run_dir} is not reachable from {', '.join(blind)}: every node must "
                              "see trainer.storage_path at the same path (a shared mount: cluster/README.md) or use "
                              "an s3:// or gs:// URI")
 

@@ -2,10 +2,12 @@
 
     broadcast      Learner rank 0 keeps the packed weights (engines/weights.py) in its memory and sends them over a
                    process group made for the one transfer (nccl between GPUs, gloo on CPU): rank 0 is the learner,
-                   engine i of the pool is rank i + 1, and the rendezvous is a TCP store on the learner's node, at
+                   engine i of the pool is rank i + 1 (a tensor-parallel engine of k GPUs: ranks 1 + k i onwards, one
+                   per worker, each receiving on its own GPU), and the rendezvous is a TCP store on the learner's node, at
                    the address Ray knows that node by. An engine that joins the pool later gets a transfer of its
-                   own (a group of two) of the version the pool runs; when an engine dies mid-transfer the others'
-                   transfer fails with it, and it is repeated without the dead one.
+                   own of the version the pool runs; when an engine dies mid-transfer, or stops answering past the
+                   transfer's deadline, the others' transfer fails with it, and it is repeated without that one (a
+                   stuck one is killed). A lost peer fails the transfer on learner rank 0, never rank 0 itself.
     object_store   Rank 0 puts the packed weights in Ray's object store as one numpy buffer: each node fetches it
                    once, and every engine on the node reads it in place (Ray hands numpy arrays out zero-copy; torch
                    tensors it would deserialise, one copy per engine actor).
@@ -19,30 +21,27 @@ joins; the loop logs each sync's path and bytes (`weights/*`) and seconds (`timi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from datetime import timedelta
 
-import torch.distributed as dist
+import ray
 from ray.exceptions import RayActorError
 
-from treepo_ray.engines.weights import Broadcast, PackedWeights, unpack
+from treepo_ray.engines.weights import PackedWeights, Receiver, unpack
 from treepo_ray.runtime.engine import tensor_parallel_size
 from treepo_ray.job.faults import LearnerLost
 from treepo_ray.job.faults import report
-from treepo_ray.runtime.liveness import actor_lost, get
+from treepo_ray.runtime.liveness import actor_lost, get, within
 
 
 def choose_path(cfg) -> str:
     """'broadcast' or 'object_store' for a run's config (runtime.weights.path; 'auto' decides by the resources)."""
     rt, path = cfg.runtime, cfg.runtime.weights.path
-    tp = tensor_parallel_size(cfg.model.engine, cfg.model.engine_kwargs)
-    if path == "broadcast" and tp > 1:
-        raise ValueError("runtime.weights.path = broadcast, but the engines run tensor_parallel_size = "
-                         f"{tp} (their weights live in vLLM's worker processes): use object_store")
     if path != "auto":
         return path
-    # Whole GPUs on both sides: NCCL refuses two ranks of one group on one GPU (fractional GPUs may share one).
-    return "broadcast" if rt.learner_gpus >= 1 and rt.engine_gpus >= 1 and tp == 1 else "object_store"
+    # Whole GPUs on both sides: NCCL refuses two ranks of one group on one GPU (fractional GPUs may share one). A
+    # tensor-parallel engine's workers each join the broadcast on their own GPU.
+    return "broadcast" if rt.learner_gpus >= 1 and rt.engine_gpus >= 1 else "object_store"
 
 
 @dataclass
@@ -58,13 +57,16 @@ class WeightSync:
     bucket_bytes: int
     timeout_s: float
     """A broadcast's own deadline (runtime.weights.timeout_s)."""
+    ranks_per_engine: int = 1
+    """Ranks each engine takes in a broadcast: one per tensor-parallel worker (each receives on its own GPU)."""
 
     @classmethod
     def for_run(cls, cfg, dtype: str) -> WeightSync:
         """The run's settings; `dtype`: the one the engines run (EngineActor.describe)."""
         backend = "nccl" if cfg.runtime.learner_gpus > 0 else "gloo"
         w = cfg.runtime.weights
-        return cls(choose_path(cfg), dtype, backend, w.bucket_mb << 20, w.timeout_s)
+        tp = tensor_parallel_size(cfg.model.engine, cfg.model.engine_kwargs)
+        return cls(choose_path(cfg), dtype, backend, w.bucket_mb << 20, w.timeout_s, tp)
 
     def describe(self) -> str:
         how = f"broadcast from learner rank 0 ({self.backend})" if self.path == "broadcast" else "the object store"
@@ -78,7 +80,8 @@ class WeightSync:
         nbytes = get([nb for nb, _ in refs], timeout_s, f"learner exporting weights v{version}")[0]
         packed = refs[0][1]
         if keep:
-            return BroadcastWeights(ranks[0], version, packed, nbytes, self.backend, self.bucket_bytes, self.timeout_s)
+            return BroadcastWeights(ranks[0], version, packed, nbytes, self.backend, self.bucket_bytes, self.timeout_s,
+                                    self.ranks_per_engine)
         return ObjectStoreWeights(packed, nbytes)
 
 
@@ -111,27 +114,33 @@ class BroadcastWeights:
     backend: str
     bucket_bytes: int
     timeout_s: float
+    ranks_per_engine: int = 1
     path = "broadcast"
 
     def metrics(self) -> dict[str, float]:
         return {"weights/bytes": float(self.nbytes), "weights/broadcast": 1.0}
 
-    def deliver(self, engines: dict, version: int) -> list[str]:
-        """On the driver: send the weights to every engine of `engines` (id -> actor) in one group; returns the ids
-        of engines that died meanwhile (the others got the weights). A lost learner is raised. Every wait is bounded
-        by the broadcast's own deadline (its process group and rendezvous time out by then) plus that again."""
+    def deliver(self, engines: dict, version: int) -> dict[str, str]:
+        """On the driver: send the weights to every engine of `engines` (id -> actor) in one group; returns the
+        engines left out (id -> why: 'lost' when it died, else it is stuck and the caller kills it); the others got
+        the weights. A lost learner is raised. Each try waits at most twice the broadcast's own deadline in all (its
+        process group and rendezvous time out by then): an engine still receiving after that is stuck, and the
+        transfer is repeated without it, as without a dead one."""
         wait_s = 2 * self.timeout_s
         manifest = get(self.manifest, wait_s, f"learner rank 0 (manifest of weights v{version})")
-        live, lost = dict(engines), []
+        live, left_out = dict(engines), {}
+        k = self.ranks_per_engine
         while live:
-            world = len(live) + 1
+            world = 1 + k * len(live)
             address, port = get(self.sender.open_weights_transfer.remote(version, world, self.timeout_s), wait_s,
                                 "learner rank 0 (opening a weight transfer)")
             send = self.sender.send_weights.remote(version, port, world, self.backend, self.bucket_bytes,
                                                    self.timeout_s)
-            calls = {eid: actor.load_weights.remote(Slot(self, manifest, address, port, rank, world), version)
-                     for rank, (eid, actor) in enumerate(live.items(), start=1)}
-            dead, errors = [], []
+            calls = {eid: actor.load_weights.remote(Slot(self.receiver(manifest, address, port, 1 + k * i, world)),
+                                                    version)
+                     for i, (eid, actor) in enumerate(live.items())}
+            deadline = time.monotonic() + wait_s
+            failed, errors = {}, []
             try:  # the sender first: a lost learner is raised at once (its receivers time out on their own)
                 get(send, wait_s, f"learner rank 0 (broadcasting weights v{version})")
             except RayActorError as err:
@@ -140,71 +149,69 @@ class BroadcastWeights:
                 errors.append(err)
             except Exception as err:  # noqa: BLE001 - a receiver's death fails the whole group's transfer
                 errors.append(err)
+            done, _ = ray.wait(list(calls.values()), num_returns=len(calls),
+                               timeout=max(0.0, deadline - time.monotonic()))
             for eid, ref in calls.items():
+                if ref not in done:
+                    failed[eid] = f"not done within {wait_s:g}s (twice runtime.weights.timeout_s)"
+                    continue
                 try:
-                    get(ref, wait_s, f"engine {eid[:8]} (receiving weights v{version})")
+                    ray.get(ref)
                 except RayActorError as err:
                     if actor_lost(err):
-                        dead.append(eid)
+                        failed[eid] = "lost"
                     else:
                         errors.append(err)
                 except Exception as err:  # noqa: BLE001
                     errors.append(err)
-            if not dead:
+            if not failed:
                 if errors:
                     raise errors[0]
                 self.sender.forget_weights_before.remote(version)  # the pool and every joiner now want >= version
-                return lost
-            report(f"weights v{version}: {len(dead)} engine(s) died during the broadcast; sending again to the "
-                   f"other {len(live) - len(dead)}")
-            lost += dead
-            for eid in dead:
+                return left_out
+            report(f"weights v{version}: {len(failed)} engine(s) lost or stuck during the broadcast; sending again "
+                   f"to the other {len(live) - len(failed)}")
+            left_out.update(failed)
+            for eid in failed:
                 del live[eid]
-        return lost
+        return left_out
 
     async def load_into(self, engine, version: int) -> None:
-        """On an engine actor that joins the pool: a transfer of its own from the sender (a group of two)."""
+        """On an engine actor that joins the pool: a transfer of its own from the sender (the sender and the
+        engine's ranks)."""
         manifest = await self.manifest
-        address, port = await self.sender.open_weights_transfer.remote(version, 2, self.timeout_s)
-        send = self.sender.send_weights.remote(version, port, 2, self.backend, self.bucket_bytes, self.timeout_s)
-        receive_into(engine, manifest, address, port, 1, 2, self, version)
-        await send
+        world = 1 + self.ranks_per_engine
+        address, port = await self.sender.open_weights_transfer.remote(version, world, self.timeout_s)
+        send = self.sender.send_weights.remote(version, port, world, self.backend, self.bucket_bytes, self.timeout_s)
+        receive_into(engine, self.receiver(manifest, address, port, 1, world), version)
+        await within(send, 2 * self.timeout_s, f"learner rank 0 (sending weights v{version} to a joining engine)")
+
+    def receiver(self, manifest: PackedWeights, address: str, port: int, rank: int, world_size: int) -> Receiver:
+        return Receiver(manifest, address, port, rank, world_size, self.backend, self.bucket_bytes, self.timeout_s)
 
 
 @dataclass
 class Slot:
     """One engine's place in a broadcast the driver started (BroadcastWeights.deliver)."""
 
-    weights: BroadcastWeights
-    manifest: PackedWeights
-    address: str
-    port: int
-    rank: int
-    world_size: int
+    receiver: Receiver
 
     async def load_into(self, engine, version: int) -> None:
-        receive_into(engine, self.manifest, self.address, self.port, self.rank, self.world_size, self.weights,
-                     version)
+        receive_into(engine, self.receiver, version)
 
 
-def receive_into(engine, manifest: PackedWeights, address: str, port: int, rank: int, world_size: int,
-                 weights: BroadcastWeights, version: int) -> None:
-    """Join a transfer as `rank` and load what arrives into `engine`: bucket by bucket into an engine that takes a
-    stream of (name, tensor) pairs (vLLM: no second copy of the model on its GPU), else as one dict."""
-    store = dist.TCPStore(address, port, world_size, False, timedelta(seconds=weights.timeout_s))
-    group = Broadcast(store, rank, world_size, weights.backend, weights.timeout_s)
+def receive_into(engine, receiver: Receiver, version: int) -> None:
+    """Join a transfer and load what arrives into `engine`: a tensor-parallel vLLM engine's workers each join and
+    load on their own GPU; else bucket by bucket into an engine that takes a stream of (name, tensor) pairs (vLLM:
+    no second copy of the model on its GPU), or as one dict."""
+    if getattr(engine, "weight_receivers", 1) > 1:
+        engine.load_weights_from(receiver, version)
+        return
+    pairs = receiver.pairs()
     try:
-        pairs = group.receive(manifest, weights.bucket_bytes)
-        try:
-            engine.load_weights(pairs if engine.loads_weight_stream else dict(pairs), version)
-        except BaseException:
-            try:  # let the sender and the other receivers finish; the engine refuses to run half-loaded weights
-                group.drain()
-            except Exception:  # noqa: BLE001 - the group itself failed: nothing left to drain
-                pass
-            raise
+        engine.load_weights(pairs if engine.loads_weight_stream else dict(pairs), version)
     finally:
-        group.close()
+        pairs.close()  # after a failed load: the rest drained (the engine refuses half-loaded weights), group closed
 
 
 def sync_metrics(weights) -> dict[str, float]:
