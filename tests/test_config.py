@@ -103,3 +103,24 @@ def test_finite_floats_in_lists_and_wrong_types_named():
         config.apply_overrides(Floats(), ["rate=fast"])
     with pytest.raises(config.UserError, match=r"^inner.y: expected a number, got 'x'"):
         config.apply_overrides(Outer(), ["inner.y=x"])
+
+
+@pytest.mark.parametrize("bad, said", [
+    ("inner.nmae=b", "unknown key 'nmae' in inner; did you mean inner.name?"),
+    ("x=1", "unknown key 'x'; did you mean inner.x?"),  # the right name in the wrong section
+    ("inner.zzz=1", "unknown key 'zzz' in inner; `treepo-ray train --print-config inner` lists its keys"),
+    ("zzz.qqq=1", "unknown key 'zzz'; the top-level keys are inner, flag"),
+    ("zzz.x=1", "unknown key 'zzz'; did you mean inner.x?"),  # the right name under a wrong section
+])
+def test_an_unknown_key_names_the_closest_keys_not_every_key(bad, said):
+    with pytest.raises(config.UnknownKey) as err:
+        config.apply_overrides(Outer(), [bad])
+    assert str(err.value) == f"override {bad!r}: {said}" and err.value.key == bad.split("=")[0]
+
+
+def test_select_prints_only_the_keys_asked_for():
+    data = config.to_dict(Outer())
+    assert config.select(Outer, data, ["inner.x", "flag"]) == {"inner": {"x": 1}, "flag": False}
+    assert config.select(Outer, data, []) == data
+    with pytest.raises(config.UnknownKey, match="did you mean inner.items"):
+        config.select(Outer, data, ["inner.itemz"])

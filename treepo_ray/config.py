@@ -7,6 +7,7 @@ the job's top-level config composes them. Unknown keys are errors, never silentl
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -22,6 +23,75 @@ T = TypeVar("T")
 class UserError(ValueError):
     """A mistake in what the user gave (a config key or value, a model or data path, a dataset row): the commands
     report it as one line naming the key, path or row, and exit with status 2 (cli.py)."""
+
+
+class UnknownKey(UserError):
+    """A key no section has: one line naming it, its section and the closest keys there are (difflib), never the
+    section's whole key list. `key` is the dotted key as given, `bad` its part up to the first unknown name; a
+    `reason` (a verl key's, job/verl_keys.py) is said instead of 'unknown key'."""
+
+    def __init__(self, key: str, bad: str, hint: str, where: str = "", reason: str = ""):
+        self.key, self.bad, self.hint, self.where, self.reason = key, bad, hint, where, reason
+        section, _, name = bad.rpartition(".")
+        super().__init__(where + (reason or f"unknown key {name!r}{f' in {section}' if section else ''}; {hint}"))
+
+    def within(self, where: str) -> UnknownKey:
+        """The same error said of a file (its keys are read as overrides)."""
+        return UnknownKey(self.key, self.bad, self.hint, where + self.where, self.reason)
+
+    def because(self, reason: str) -> UnknownKey:
+        return UnknownKey(self.key, self.bad, self.hint, self.where, reason)
+
+
+def dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key of dataclass `cls` as a dotted path, sections included (`learner`, `learner.loss`,
+    `learner.loss.clip_low`, ...)."""
+    out = []
+    for name, tp in _hints(cls).items():
+        if name not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            out += dotted_keys(tp, f"{prefix}{name}.")
+    return out
+
+
+def closest_keys(cls: type, key: str, bad: str = "") -> list[str]:
+    """The keys of `cls` closest to a mistyped dotted `key` whose part `bad` names nothing: a name of the same section
+    close to it (`trainer.stepz` -> trainer.steps, `learner.los.kl_coef` -> learner.loss.kl_coef), else a key of the
+    same last name wherever it lives (`lr` -> learner.lr, `learner.clip_high` -> learner.loss.clip_high)."""
+    bad = bad or key
+    keys = dotted_keys(cls)
+    section, _, name = bad.rpartition(".")
+    last = lambda k: k.rpartition(".")[2]  # noqa: E731
+    siblings = [last(k) for k in keys if k.rpartition(".")[0] == section]
+    close = _closest(name, siblings, 0.75)
+    if close:
+        found = [f"{section}.{c}" if section else c for c in close]
+        rest = key[len(bad):]  # the keys under a mistyped section
+        return [f + rest if f + rest in keys else f for f in found]
+    ancestors = {key.rsplit(".", i)[0] for i in range(1, key.count(".") + 1)}
+    names = _closest(last(key), sorted({last(k) for k in keys}), 0.8)
+    return sorted((k for k in keys if last(k) in names and k not in ancestors),
+                  key=lambda k: (names.index(last(k)), -difflib.SequenceMatcher(None, key, k).ratio()))[:3]
+
+
+def _closest(word: str, options: list[str], cutoff: float) -> list[str]:
+    """The options about as close to `word` as the closest one (difflib's ratio, at least `cutoff`), closest first."""
+    scored = sorted(((difflib.SequenceMatcher(None, word, o).ratio(), o) for o in options), reverse=True)
+    best = scored[0][0] if scored else 0.0
+    return [o for r, o in scored if r >= max(cutoff, best - 0.05)]
+
+
+def unknown_key(cls: type, key: str, bad: str, where: str = "", prefix: str = "") -> UnknownKey:
+    """The error for `key` whose part `bad` names nothing in `cls` (the section at `prefix`), with the closest keys
+    as the hint."""
+    close = [prefix + k for k in closest_keys(cls, key, bad)]
+    section = prefix + bad.rpartition(".")[0]
+    hint = (f"did you mean {' or '.join(close)}?" if close else
+            f"`treepo-ray train --print-config {section}` lists its keys" if section else
+            f"the top-level keys are {', '.join(f.name for f in dataclasses.fields(cls))}")
+    return UnknownKey(key, bad, hint, where)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -104,9 +174,9 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     checks refuse raises UserError naming it."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
+    unknown = sorted(set(data) - names)
     if unknown:
-        raise UserError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+        raise unknown_key(cls, unknown[0], unknown[0], f"{where}: " if where else "", f"{where}." if where else "")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -120,11 +190,31 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _section_type(cls: type, key: str, where: str) -> type | None:
-    """Type of field `key` of dataclass `cls` if it is itself a dataclass (a section), else None."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    if key not in names:
-        raise UserError(f"{where}: unknown key {key!r} (known: {sorted(names)})")
+def select(cls: type, data: dict, keys: list[str]) -> dict:
+    """The parts of `data` (a `cls` as a dict) that the dotted `keys` name (a section or a key each), nested as in
+    `data`; all of it when `keys` is empty. A key `cls` lacks is an UnknownKey."""
+    if not keys:
+        return data
+    known = set(dotted_keys(cls))
+    out: dict = {}
+    for key in keys:
+        if key not in known:
+            parts = key.split(".")
+            bad = next(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in known)
+            raise unknown_key(cls, key, bad)
+        source, target, parts = data, out, key.split(".")
+        for part in parts[:-1]:
+            source, target = source[part], target.setdefault(part, {})
+        target[parts[-1]] = source[parts[-1]]
+    return out
+
+
+def _section_type(cls: type, parts: list[str], depth: int, where: str, root: type) -> type | None:
+    """Type of field parts[depth] of dataclass `cls` (the section at parts[:depth] of `root`) if it is itself a
+    dataclass (a section), else None; UnknownKey when `cls` has no such field."""
+    key = parts[depth]
+    if key not in {f.name for f in dataclasses.fields(cls)}:
+        raise unknown_key(root, ".".join(parts), ".".join(parts[:depth + 1]), f"{where}: ")
     tp = _hints(cls)[key]
     return tp if dataclasses.is_dataclass(tp) else None
 
@@ -140,15 +230,15 @@ def apply_overrides(cfg: T, overrides: list[str]) -> T:
             raise UserError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
         node, parts, cls = data, key.split("."), type(cfg)
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
             if cls is not None:
-                sub = _section_type(cls, part, f"override {item!r}")
+                sub = _section_type(cls, parts, depth, f"override {item!r}", type(cfg))
                 if sub is None and not isinstance(node.get(part), dict):
                     raise UserError(f"override {item!r}: {part!r} is not a section of the config")
                 cls = sub
             node = node.setdefault(part, {})
         if cls is not None:
-            _section_type(cls, parts[-1], f"override {item!r}")
+            _section_type(cls, parts, len(parts) - 1, f"override {item!r}", type(cfg))
         try:
             node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:
@@ -156,14 +246,17 @@ def apply_overrides(cfg: T, overrides: list[str]) -> T:
     return from_dict(type(cfg), data)
 
 
-def file_overrides(cls: type, data: dict, prefix: str = "") -> list[str]:
+def file_overrides(cls: type | None, data: dict, prefix: str = "") -> list[str]:
     """A YAML mapping as `a.b=value` overrides: sections (dataclass fields) are walked into, every other value
     (free-form mappings such as model.engine_kwargs included) is set whole."""
     hints = _hints(cls) if dataclasses.is_dataclass(cls) else {}
     out = []
     for key, value in data.items():
         sub = hints.get(key)
-        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
+        # A mapping under a key no section has (verl's `actor_rollout_ref: {rollout: {n: 8}}`) is walked too, so
+        # that the error names the whole dotted key, not only its first part.
+        unknown = cls is None or (dataclasses.is_dataclass(cls) and key not in hints)
+        if isinstance(value, dict) and value and (dataclasses.is_dataclass(sub) or unknown):
             out += file_overrides(sub, value, f"{prefix}{key}.")
         else:
             out.append(f"{prefix}{key}={json.dumps(value)}")  # JSON is YAML: read back by apply_overrides
@@ -194,6 +287,8 @@ def read_file_overrides(cls: type, path: str | Path | None) -> list[str]:
     args = file_overrides(cls, data)
     try:
         apply_overrides(cls(), args)
+    except UnknownKey as err:
+        raise err.within(f"{path}: ") from None
     except ValueError as err:
         raise UserError(f"{path}: {err}") from None
     return args

@@ -115,7 +115,7 @@ CASES = [
      "{path}: trainer.lock_stale_s: expected a finite number, got 'NaN'"),
     ("unknown key", lambda f: f.jsonl(GOOD) + ["trainer.stepz=3"], "unknown key 'stepz'"),
     ("verl key", lambda f: f.jsonl(GOOD) + ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B"],
-     "unknown key 'actor_rollout_ref'"),
+     "verl's key; here: model.path"),
     ("wrong type", lambda f: f.jsonl(GOOD) + ["trainer.steps=abc"], "trainer.steps: expected an integer, got 'abc'"),
     ("a --flag", lambda f: f.jsonl(GOOD) + ["--config-name=ppo_trainer"], "takes a config file and key=value"),
 ]

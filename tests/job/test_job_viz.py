@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from treepo_ray.config import UserError
 from treepo_ray.job.viz import layout, main as viz_main, render_html, reward_colour
 from treepo_ray.tree import Tree
 
@@ -44,5 +45,5 @@ def test_viz_writes_a_self_contained_page(tmp_path, capsys):
 
 
 def test_viz_of_a_run_without_trees_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="trees.jsonl"):
+    with pytest.raises(UserError, match="trees.jsonl"):  # one line from the CLI, exit status 2
         viz_main([str(tmp_path)])

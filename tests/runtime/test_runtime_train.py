@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny, tmp_path, monkeypatch):
-    run = tmp_path / "run"
+    run = tmp_path / "runs" / "run"
     args = small(tiny, f"trainer.run_dir={run}", "trainer.steps=4", "trainer.save_every=1",
                  "trainer.keep_checkpoints=1", "trainer.eval_samples=3", "log.wandb=true")
     assert train_main(args + ["trainer.stop_after=2"]) == 1  # stopped early on purpose: not completed
@@ -88,11 +88,16 @@ def test_train_stops_resumes_and_leaves_a_complete_run_directory(ray_local, tiny
     import nbformat
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("TREEPO_RUN_DIR", str(run))
+    # As a user opens it: Jupyter started in notebooks/, no TREEPO_RUN_DIR; it finds the newest run in ../runs/
+    monkeypatch.delenv("TREEPO_RUN_DIR", raising=False)
+    (tmp_path / "runs" / "older").mkdir()
+    os.utime(tmp_path / "runs" / "older", (0, 0))
+    (tmp_path / "notebooks").mkdir()
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path / "notebooks")}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "logged steps" in outputs and "first trajectory" in outputs
+    assert f"{run}: " in outputs and "logged steps" in outputs and "first trajectory" in outputs
 
 
 def test_ray_metrics_carry_run_and_algorithm_tags(ray_local):

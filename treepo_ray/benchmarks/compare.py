@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from treepo_ray.algo import ALGORITHMS
-from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config
+from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config, resolve_config
 from treepo_ray.job.redact import redacted_overrides
 
 DEFAULT_ALGOS = ("grpo", "dapo", "treepo")
@@ -46,7 +46,7 @@ BASELINE = "grpo"
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] | int:
-    ap = argparse.ArgumentParser(prog="treepo-ray compare", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="treepo-ray compare", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: cpu.yaml)")
     ap.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated, of {', '.join(ALGORITHMS)}")
     ap.add_argument("--seeds", type=int, default=2,
@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
     ap.add_argument("--out", default="", help="folder of the PNGs (default: beside --json, else runs/compare-<time>)")
     ap.add_argument("--json", default=None, help="write the result here as JSON")
     args, overrides = ap.parse_known_args(argv)
+    flags = [a for a in overrides if a.startswith("-")]
+    if flags:  # no abbreviations: `--seed 3` is not `--seeds 3`
+        print(f"treepo-ray compare: unknown option {flags[0]!r} (`treepo-ray compare --help`)", file=sys.stderr)
+        return 2
     if "=" in args.config:
         overrides, args.config = [args.config, *overrides], str(DEFAULT_CONFIG)
     args.algos = [a for a in args.algos.split(",") if a]
@@ -81,7 +85,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
 
 def run_config(path: str, overrides: list[str], algo: str, seed: int) -> TrainConfig:
     """One run's config: the file and overrides, then the algorithm (its own loss preset) and the seed."""
-    return load_config(path, [*overrides, f"algo.name={algo}", f"trainer.seed={seed}", f"learner.seed={seed}"])
+    return load_config(resolve_config(path),
+                       [*overrides, f"algo.name={algo}", f"trainer.seed={seed}", f"learner.seed={seed}"])
 
 
 def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: float | None, eval_points: int) -> dict:

@@ -109,7 +109,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="treepo-ray bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="treepo-ray bench", description=__doc__.split("\n\n")[0])
     add_workload_args(p)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts (cycled from a built-in list)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode and config (the fastest is kept)")

@@ -40,7 +40,8 @@ from treepo_ray.engines.driver import StreamLoop
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="treepo-ray bench stream", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="treepo-ray bench stream",
+                                description=__doc__.split("\n\n")[0])
     add_workload_args(p)
     p.add_argument("--prompts", type=int, default=64, help="prompts in the stream")
     p.add_argument("--max-batch-size", type=int, default=128, help="the engine's cap on sequences run at once")

@@ -5,12 +5,14 @@ Two row layouts are read:
 - verl's RL layout: `prompt` (a list of chat messages {"role", "content"}, or a string; the field named by
   data.prompt_key), `reward_model.ground_truth` (a string, a number, a list of acceptable answers, or any JSON value
   a custom reward function reads), `data_source` (the field named by data.reward_fn_key), optionally `extra_info`
-  (passed to the reward function; its `index` names the row);
+  (passed to the reward function; its `index` names the row, and may repeat, as verl allows: it is metadata there,
+  and restarts in each source of a file that concatenates several, so a repeat gets its row number added);
 - a plain layout: `problem` and `answer` (optionally `data_source`, `id`).
 
 Every row becomes a `Prompt` record (data/prompts.py) whose id is `<file>/<row id>`, so ids stay unique across files
-(verl's extra_info.index restarts in every file). Loading is two steps, so that every row is checked before any
-model is loaded (job/inputs.py):
+(verl's extra_info.index restarts in every file; a repeat within one is `<file>/<index>@<row>`). A file is a local
+path or an `s3://` / `gs://` URI (read through treepo_ray/storage.py). Loading is two steps, so that every row is
+checked before any model is loaded (job/inputs.py):
 
 - read (`read_dataset`, `read_records`; no tokenizer): each row decoded (UTF-8, JSON), its fields found, its text
   free of lone surrogates, its ground truth free of NaN and infinities, its data source and ground truth taken by a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
+import io
 import json
 import math
 import os
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
+from treepo_ray import storage
 from treepo_ray.config import UserError
 from treepo_ray.data.prompts import Prompt
 from treepo_ray.rewards.router import check_row, scorer_of
@@ -108,25 +112,39 @@ class BadRow(UserError):
     """A row that cannot be read; the message names the file, the row and the field."""
 
 
+def data_path(location: str | Path) -> Path | str:
+    """A data file as given: a local path (`~` expanded), or an s3:// / gs:// URI kept as text (a Path would fold
+    its `//`)."""
+    return str(location) if storage.is_uri(location) else Path(location).expanduser()
+
+
+def file_exists(location: str | Path) -> bool:
+    return storage.exists(str(location)) if storage.is_uri(location) else Path(location).is_file()
+
+
 def read_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(row number, row) of a .jsonl/.json-lines or .parquet file; a row that cannot be decoded (not UTF-8, not
-    JSON) is passed on as a BadRow instance so the caller can count or raise it. A file that cannot be read at all
-    (missing, not parquet) is a UserError naming it."""
-    path = Path(path).expanduser()
-    if not path.is_file():
+    """(row number, row) of a .jsonl/.json-lines or .parquet file, local or at a URI; a row that cannot be decoded
+    (not UTF-8, not JSON) is passed on as a BadRow instance so the caller can count or raise it. A file that cannot be
+    read at all (missing, not parquet) is a UserError naming it."""
+    path = data_path(path)
+    if not file_exists(path):
         raise UserError(f"dataset file {str(path)!r} does not exist")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        yield from _parquet_rows(path)
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        yield from _jsonl_rows(path)
-    else:
+    suffix = Path(str(path)).suffix.lower()
+    if suffix not in (".parquet", ".jsonl", ".json", ".ndjson"):
         raise UserError(f"dataset file {str(path)!r}: unknown format {suffix!r} (use .jsonl or .parquet)")
+    if storage.is_uri(path):  # read whole, once: the rows are checked on the driver anyway
+        source = io.BytesIO(storage.read_bytes(path))
+    else:
+        source = path
+    if suffix == ".parquet":
+        yield from _parquet_rows(source, path)
+    else:
+        yield from _jsonl_rows(source, path)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _jsonl_rows(source: Path | io.BytesIO, path: Path | str) -> Iterator[tuple[int, Any]]:
     # Bytes, decoded line by line: one undecodable line is a bad row naming itself, not a traceback for the file.
-    with path.open("rb") as f:
+    with (source.open("rb") if isinstance(source, Path) else source) as f:
         for i, raw in enumerate(f):
             try:
                 line = raw.decode("utf-8-sig" if i == 0 else "utf-8")  # a byte-order mark may open the file
@@ -142,12 +160,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 yield i, BadRow(f"{path}: row {i}: not valid JSON ({e.msg} at column {e.colno})")
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _parquet_rows(source: Path | io.BytesIO, path: Path | str) -> Iterator[tuple[int, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(source)
     except (pa.ArrowException, OSError) as err:  # not parquet, truncated, corrupt pages
         why = " ".join(str(err).replace(f"Could not open Parquet input source '{path}': ", "").split())
         raise UserError(f"{path}: not a readable parquet file ({why})") from None
@@ -304,6 +322,8 @@ class ParsedRow:
     """The field the ground truth came from (named in errors)."""
     converted: tuple[str, ...] = ()
     """extra_info values recorded in another form (see _recordable), as 'where: field (type)'."""
+    id_from_index: bool = False
+    """The id is verl's extra_info.index: metadata that may repeat, not a key (an `id` field must not repeat)."""
 
 
 def parse_row(row: Any, where: str, default_source: str, keys: RowKeys = RowKeys()) -> ParsedRow:
@@ -331,9 +351,11 @@ def parse_row(row: Any, where: str, default_source: str, keys: RowKeys = RowKeys
     if extra is not None and not isinstance(extra, dict):
         raise BadRow(f"{where}: field 'extra_info' must be a mapping, got {type(extra).__name__}")
     extra = _recordable(extra or {}, where, "extra_info", converted)
-    rid = row.get("id", extra.get("index"))
+    rid = row.get("id")
+    from_index = rid is None and extra.get("index") is not None
+    rid = extra["index"] if from_index else rid
     rid = None if rid is None else _recordable(str(rid), where, "id", None)
-    return ParsedRow(prompt, gt, source, rid, extra, truth_field, tuple(converted))
+    return ParsedRow(prompt, gt, source, rid, extra, truth_field, tuple(converted), from_index)
 
 
 def _data_source(row: dict, where: str, default_source: str, key: str) -> str:
@@ -363,21 +385,22 @@ class PromptBudget:
         return None if self.context_tokens is None else self.context_tokens - self.response_tokens
 
 
-def _file_tags(paths: list[Path]) -> list[str]:
+def _file_tags(paths: list[Path | str]) -> list[str]:
     """A short name per file for its rows' ids: the file's stem, numbered when two files share one."""
     tags, used = [], set()
     for p in paths:
-        tag, k = p.stem, 1
+        stem = Path(str(p)).stem
+        tag, k = stem, 1
         while tag in used:
             k += 1
-            tag = f"{p.stem}~{k}"
+            tag = f"{stem}~{k}"
         used.add(tag)
         tags.append(tag)
     return tags
 
 
-def _paths(paths: str | Path | list[str | Path]) -> list[Path]:
-    return [Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+def _paths(paths: str | Path | list[str | Path]) -> list[Path | str]:
+    return [data_path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
 
 
 def read_dataset(paths: str | Path | list[str | Path], cfg: DatasetConfig | None = None,
@@ -395,6 +418,8 @@ def read_dataset(paths: str | Path | list[str | Path], cfg: DatasetConfig | None
             try:
                 parsed = parse_row(row, where, cfg.default_data_source, keys)
                 rid = f"{tag}/{parsed.id if parsed.id is not None else i}"
+                if rid in seen and parsed.id_from_index:  # verl numbers each source from 0: the row makes it unique
+                    rid = f"{rid}@{i}"
                 if rid in seen:
                     raise BadRow(f"{where}: field 'id' repeats {rid!r}")
                 if not custom_reward:
@@ -554,7 +579,7 @@ class DataConfig:
     def files(self, cache_dir: str | Path, synthetic_rows: tuple[int, int]) -> tuple[list[Path], list[Path]]:
         """The training and held-out files this section names."""
         if self.train_files:
-            return [Path(p).expanduser() for p in self.train_files], [Path(p).expanduser() for p in self.val_files]
+            return [data_path(p) for p in self.train_files], [data_path(p) for p in self.val_files]
         from treepo_ray.data.synthetic import TASKS
 
         if self.name in TASKS:

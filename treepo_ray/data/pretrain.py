@@ -285,8 +285,11 @@ def pretrain_in_subprocess(out_dir: Path, cfg: PretrainConfig, log=print) -> Non
     default spin. Pretraining runs before Ray starts, on a quiet machine."""
     import subprocess
 
+    # The folder that holds this treepo_ray package (a checkout, or site-packages for an installed wheel), so the
+    # child imports the same code whatever the working directory.
+    package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "5000"),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
     args = config_io.file_overrides(PretrainConfig, config_io.to_dict(cfg))
     with subprocess.Popen([sys.executable, "-m", "treepo_ray.data.pretrain", "--out", str(out_dir), *args], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
@@ -327,6 +330,7 @@ def prepare_base_model(cache_dir: str | Path, seed: int = 0, cfg: PretrainConfig
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="treepo-ray pretrain",
         description="Pretrain the tiny base model on noisy worked solutions of the synthetic task (cached).",
     )

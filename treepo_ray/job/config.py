@@ -2,7 +2,8 @@
 (resources, fault handling, deadlines, staleness, steps, checkpoints).
 
 Defaults of each layer live with that layer (tree growers, the algorithms and their sections: algo/algorithms.py,
-learner, loss, datasets); this file holds the rest. YAML files under jobs/configs/ set any subset; `key.sub=value`
+learner, loss, datasets); this file holds the rest. YAML files (the packaged ones in treepo_ray/configs/, also reached
+as jobs/configs/, by name) set any subset; `key.sub=value`
 arguments override them (treepo_ray/config.py).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+import sys
 import warnings
 
 import yaml
@@ -20,15 +22,35 @@ from treepo_ray import storage
 from treepo_ray.algo.algorithms import ALGORITHMS, AlgoConfig
 from treepo_ray.data.datasets import DataConfig
 from treepo_ray.data.evaluate import EvalConfig
+from treepo_ray.job import verl_keys
 from treepo_ray.job.logs import LogConfig
 from treepo_ray.job.redact import REDACTED, redacted
 from treepo_ray.learner.config import LearnerConfig
 from treepo_ray.rewards.custom import RewardFunctionConfig
 from treepo_ray.tree import SequentialConfig, TreePOConfig, TreeRPOConfig
 
-# The CPU demo configuration `treepo-ray train` runs when given no YAML file.
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "jobs" / "configs"
+# The starting configs ship inside the package (package data), so an installed wheel finds them by name; the
+# checkout's jobs/configs is a link to this folder. cpu.yaml is what `treepo-ray train` runs when given no file.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu.yaml"
+
+
+def config_names() -> list[str]:
+    """The packaged configs' names (`treepo-ray train NAME`)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_config(arg: str | Path) -> Path:
+    """A config file given as a path, or by the name of a packaged config (`treepo_paper` or `treepo_paper.yaml`);
+    UserError listing the names when it is neither."""
+    path = Path(arg)
+    if path.is_file():
+        return path
+    name = path.name.removesuffix(".yaml")
+    if path.name == str(arg) and name in config_names():
+        return CONFIG_DIR / f"{name}.yaml"
+    raise UserError(f"config file {str(arg)!r} does not exist, nor is it a packaged config: "
+                    f"{', '.join(config_names())}")
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -106,22 +128,47 @@ class DeadlineConfig:
 
 @dataclass
 class ElasticConfig:
-    """The generator pool's size: runtime.num_engines is the floor, max_engines the ceiling."""
+    """The generator pool's size: runtime.num_engines is the floor, max_engines the ceiling (docs/elastic.md)."""
 
     max_engines: int = 0
-    """Add engines, up to this many, whenever Ray reports room for one more (a node joined); 0 = num_engines
-    (no growth past the configured size; lost engines are still replaced)."""
+    """The most engines the pool may hold; 0 = num_engines (no growth past the configured size; lost engines are
+    still replaced). Without `autoscale`, engines are added up to it whenever Ray reports room for one more (a node
+    joined); with it, the scaling policy decides."""
     poll_s: float = 0.5
     """How often the supervisor looks at every actor (heartbeats) and the pool for engines ready to join and new
     room; an engine router catches up with the member list at most this often."""
     startup_timeout_s: float = 600.0
     """At start, wait this long for the first num_engines engines (the run needs at least one)."""
+    autoscale: bool = False
+    """The scaling policy (job/scaling.py) sets the pool's size from what each step measures: it asks for engines
+    (pending actors: the demand a Ray autoscaler answers with nodes) while the learner waits for batches, and gives
+    idle ones back (their nodes then idle, and the autoscaler removes them)."""
+    scale_up_wait: float = 0.25
+    """Scale up while the learner waits at least this share of each step for its batch, with no batch waiting."""
+    scale_down_wait: float = 0.05
+    """Scale down while the learner waits at most this share of each step and rollout is ahead of it: every slot
+    of the queue (runtime.max_staleness) holds a grown batch, or the engines are busy less than `idle_busy`."""
+    idle_busy: float = 0.3
+    """Engines busy less than this share of a step are idle: more of them would not help, fewer would do."""
+    patience: int = 2
+    """Steps in a row a signal must hold before the policy acts on it (hysteresis: one odd step changes nothing)."""
+    cooldown_s: float = 60.0
+    """After a decision, none for this long: a node takes time to join or to go, and the steps measured meanwhile
+    still show the old pool."""
+    drain: bool = True
+    """Engines on a node Ray marks as draining (`ray drain-node`, a KubeRay pre-stop hook, a spot notice) stop
+    taking requests, finish what they hold and leave; the pool asks for a replacement elsewhere."""
 
     def __post_init__(self) -> None:
         if self.max_engines < 0:
             raise ValueError(f"runtime.elastic.max_engines = {self.max_engines}; it must be >= 0")
         if self.poll_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("runtime.elastic.poll_s and startup_timeout_s must be > 0")
+        if not 0 <= self.scale_down_wait < self.scale_up_wait <= 1:
+            raise ValueError(f"runtime.elastic: scale_down_wait ({self.scale_down_wait}) must be below scale_up_wait "
+                             f"({self.scale_up_wait}), both shares of a step (0 to 1)")
+        if self.patience < 1 or self.cooldown_s < 0 or not 0 <= self.idle_busy <= 1:
+            raise ValueError("runtime.elastic: patience must be >= 1, cooldown_s >= 0, idle_busy a share (0 to 1)")
 
 
 CHAOS_KINDS = ("engine", "scheduler", "verifier", "learner")
@@ -376,14 +423,49 @@ class EvalJobConfig(TrainConfig):
     """What evaluation sets beyond the training job's keys (split, sampler, k, sweep, output folder)."""
 
 
+# ---------------------------------------------------------------------------------------------- learner token budget
+
+
+def longest_path(cfg: TrainConfig) -> int:
+    """Tokens of the longest path the rollout allows: the prompt limit plus the sampler's response limit (or the
+    sampler's total limit, when it sets a smaller one)."""
+    sampler = cfg.sampler_config
+    tokens = cfg.data.prompt.max_prompt_tokens + sampler.response_limit()
+    total = getattr(sampler, "max_total_len", 0)
+    return min(tokens, total) if total else tokens
+
+
+def default_micro_batch_tokens(cfg: TrainConfig) -> int:
+    """learner.micro_batch_tokens when the config does not set it: the longest path, so a micro-batch always holds
+    a whole path (a path over the budget is one piece over it, a tree gains nothing from packing; verl refuses a
+    ppo_max_token_len_per_gpu below it), and at least the learner's own default."""
+    return max(LearnerConfig.micro_batch_tokens, longest_path(cfg))
+
+
+def _check_micro_batch_tokens(cfg: TrainConfig, derived: int) -> None:
+    budget, longest = cfg.learner.micro_batch_tokens, longest_path(cfg)
+    if budget == derived and derived > LearnerConfig.micro_batch_tokens:
+        print(f"learner.micro_batch_tokens = {budget}: the longest path the rollout allows (prompt "
+              f"{cfg.data.prompt.max_prompt_tokens} + response {longest - cfg.data.prompt.max_prompt_tokens})",
+              file=sys.stderr, flush=True)
+    if cfg.learner.packing == "tree" and budget < longest:
+        warnings.warn(f"learner.micro_batch_tokens = {budget} is below the longest path the rollout allows "
+                      f"({longest} tokens): a longer path is one piece over the budget, and a tree of such paths packs no "
+                      f"better than one row per path; set it to {longest} or more", stacklevel=3)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors (UserError) name the file
     and key. The algorithm's own loss (its `loss`, algo/<name>.py) goes under everything given explicitly, and so does
     learner.off_policy = behaviour when runtime.max_staleness > 0. `cls`: TrainConfig,
     or EvalJobConfig for `treepo-ray eval`."""
-    args = config_io.read_file_overrides(cls, path) + list(overrides or [])
-    cfg = config_io.load(cls, None, args)
+    try:
+        args = config_io.read_file_overrides(cls, path) + list(overrides or [])
+        cfg = config_io.load(cls, None, args)
+    except config_io.UnknownKey as err:  # a verl key: name the key here that does its job (job/verl_keys.py)
+        verl = verl_keys.explain(err.key)
+        raise (err.because(verl) if verl else err) from None
     preset = []
     if cfg.algo.loss_preset:
         preset = [f"learner.loss.{k}={v}" for k, v in cfg.algo.spec.loss.items()]
@@ -393,8 +475,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         # 1 and never clips). catpo_cpu.yaml (staleness 1), TreeRPO, 60 s, held-out from 0.40 at 5 points, two
         # runs: recompute swung between 0.14 and 0.43; behaviour rose at every point, to 0.55-0.56.
         preset.append("learner.off_policy=behaviour")
-    if preset:
-        cfg = config_io.load(cls, None, preset + args)
+    derived = default_micro_batch_tokens(cfg)
+    preset.append(f"learner.micro_batch_tokens={derived}")  # under the explicit keys, as the loss preset
+    cfg = config_io.load(cls, None, preset + args)
+    _check_micro_batch_tokens(cfg, derived)
     if cfg.runtime.max_staleness > 0 and cfg.learner.off_policy == "recompute":
         warnings.warn(f"learner.off_policy = 'recompute' with runtime.max_staleness = {cfg.runtime.max_staleness}: "
                       f"batches sampled by older weights train as if on-policy (the ratio to the current weights); "
@@ -408,15 +492,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
-    """A command line `[config.yaml] [key.sub=value ...]` (default file: jobs/configs/cpu.yaml) as a config of
-    `cls`; UserError on a missing file, a bad key or an argument that is not key=value."""
+    """A command line `[config.yaml|NAME] [key.sub=value ...]` (default: the packaged cpu.yaml) as a config of
+    `cls`; UserError on a missing file or unknown name, a bad key or an argument that is not key=value."""
     path: Path = DEFAULT_CONFIG
     for arg in argv:
         if arg.startswith("--"):
             raise UserError(f"{arg!r}: `treepo-ray {command}` takes a config file and key=value overrides, not "
                             f"--flags (e.g. model.path=DIR trainer.eval_samples=8; `treepo-ray {command} --help`)")
     if argv and "=" not in argv[0]:
-        path, argv = Path(argv[0]), argv[1:]
+        path, argv = resolve_config(argv[0]), argv[1:]
     for arg in argv:
         if "=" not in arg:
             raise UserError(f"{arg!r} is not a key=value override (usage: treepo-ray {command} [config.yaml] "

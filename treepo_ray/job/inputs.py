@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treepo_ray.config import UserError
-from treepo_ray.data.datasets import (SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, Splits,
+from treepo_ray.data.datasets import (SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, Splits, file_exists,
                                      encode_records, read_records)
 from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.hub import model_context_length, resolve_model_path
@@ -30,7 +30,7 @@ def check_inputs(cfg: TrainConfig) -> None:
         train, test = cfg.data.files(cfg.model.cache_dir, (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS))
         for key, files in (("data.train_files", train), ("data.val_files", test)):
             for f in files:
-                if not f.is_file():
+                if not file_exists(f):  # a local path or an s3:// / gs:// URI
                     raise UserError(f"{key}: {str(f)!r} does not exist")
     if cfg.model.path:
         resolve_model_path(cfg.model.path)

@@ -221,7 +221,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 CURVE_PANELS = (
     ("critic/score/mean", "train reward"), ("eval/accuracy", "held-out accuracy"),
-    ("response_length/mean", "response length"), ("perf/traj_per_s", "trajectories / s"),
+    ("response_length/mean", "response length"), ("perf/traj_per_s", "trajectories / s of generation"),
 )
 
 

@@ -13,14 +13,18 @@ import json
 import math
 from pathlib import Path
 
+from treepo_ray.config import UserError
+
 BOX_W, BOX_H, GAP_X, GAP_Y = 90, 14, 30, 6
 
 
 def load_trees(run_dir: str | Path, step: int | None = None, max_trees: int = 50) -> list[dict]:
     """Saved tree records of a run (all steps, or one), the most recent `max_trees` of them."""
     path = Path(run_dir) / "trees.jsonl"
+    if not Path(run_dir).is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} does not exist")
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; was the run started with log.trees_per_step > 0?")
+        raise UserError(f"{path} does not exist; was the run started with log.trees_per_step > 0?")
     rows = []
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
@@ -28,7 +32,7 @@ def load_trees(run_dir: str | Path, step: int | None = None, max_trees: int = 50
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+            raise UserError(f"{path}:{i + 1} is not valid JSON: {e}") from None
         if step is None or row.get("step") == step:
             rows.append(row)
     return rows[-max_trees:]
@@ -121,7 +125,7 @@ def render_html(records: list[dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="treepo-ray viz", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="treepo-ray viz", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="run directory holding trees.jsonl")
     ap.add_argument("--out", default=None, help="output HTML path (default RUN_DIR/trees.html)")
     ap.add_argument("--step", type=int, default=None, help="only the trees of this step")

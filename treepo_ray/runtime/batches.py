@@ -109,7 +109,10 @@ class BatchBuilder:
         metrics = self._metrics(grown, kept, credit, weights)
         metrics.update({"rollout/kept_prompts": float(len(kept)), "rollout/progress": progress,
                         "rollout/rounds": float(rnd + 1), "timing_s/gen": t_grow - t0,
-                        "timing_s/adv": t_credit - t_grow})
+                        "timing_s/adv": t_credit - t_grow,
+                        # over this batch's own generation time: the time since the previous batch was done is near
+                        # zero when batches overlap, which read as 17,500 trajectories/s
+                        "perf/traj_per_s": sum(len(t.trajectories) for t in grown) / max(t_grow - t0, 1e-9)})
         return RolloutBatch(step, version, ray.put(samples), sum(len(t.trajectories) for t in samples), position,
                             metrics, [self.tree_record(t) for t in kept[:trees_logged]], kept, (t0, t_grow))
 
@@ -136,7 +139,7 @@ class BatchBuilder:
         metrics.update(algo.spec.metrics(grown, weights))
         # Engine figures since the previous batch was done: batches may grow at the same time, so what the engines
         # ran cannot be told apart by batch; summed over a run, each figure is the run's total.
-        since, seconds = self.engine_figures()
+        since, _ = self.engine_figures()
         fwd = sum(c.get("forward_tokens", 0) for c in since.values())
         unique = metrics.get("tree/unique_tokens", 0.0)
         steps = max(sum(c.get("steps", 0) for c in since.values()), 1)
@@ -145,7 +148,6 @@ class BatchBuilder:
             "tree/forward_per_unique": fwd / unique if unique else math.nan,
             "perf/engine_busy_s": float(sum(v for c in since.values() for k, v in c.items() if k.startswith("time_"))),
             "perf/engine_rows": sum(c.get("step_sequences", 0) for c in since.values()) / steps,
-            "perf/traj_per_s": sum(len(t.trajectories) for t in grown) / max(seconds, 1e-9),
         })
         return metrics
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 
+from treepo_ray.config import UserError
 from treepo_ray.job.config import TrainConfig
 from treepo_ray.job.inputs import Job, load_job
 
@@ -43,13 +45,30 @@ def init_ray(cfg: TrainConfig) -> None:
     if ray.is_initialized():
         return
     if address != "local":
-        ray.init(address=address, log_to_driver=True)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as err:  # 'auto' with no cluster, a head that went away: one line, no traceback
+            raise UserError(f"runtime.address = {address!r}: {str(err).splitlines()[0]}") from None
         return
     node_ip = ray.util.get_node_ip_address()  # the address a new local Ray would listen on
     if os.environ[LOOPBACK_ENV] == "0" and not ipaddress.ip_address(node_ip).is_loopback:
         raise RuntimeError(f"Ray was imported before init_ray set {LOOPBACK_ENV}=0, so a local Ray would listen on "
                            f"{node_ip}: set it in the environment, or import Ray after init_ray")
     ray.init(address="local", num_cpus=cfg.runtime.num_cpus or os.cpu_count(), include_dashboard=None)
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """UserError when nothing answers at a `host:port` (or ray://host:port) address: Ray itself would retry the GCS
+    for a minute and then raise from deep inside."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # 'auto' and other forms: Ray resolves them
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise UserError(f"runtime.address = {address!r}: nothing answers at {host}:{port} "
+                        f"({err.strerror or err}); is the cluster up (`ray status` on its head)?") from None
 
 
 def set_up(cfg: TrainConfig) -> Job:

@@ -1,7 +1,8 @@
-"""`treepo-ray train [config.yaml] [key.sub=value ...]`: the RL training job on Ray.
+"""`treepo-ray train [config.yaml | NAME] [key.sub=value ...]`: the RL training job on Ray.
 
-With no arguments it runs jobs/configs/cpu.yaml: local Ray on this machine's CPUs, the tiny base model and the
-synthetic task, TreePO; `algo.name=grpo` runs the baseline the same way. It evaluates the base model and the final
+A config is a YAML file's path or the name of one the package ships (treepo_ray/configs/, also jobs/configs/ in the
+checkout): `treepo-ray train treepo_paper`. With no arguments it runs cpu.yaml: local Ray on this machine's CPUs, the
+tiny base model and the synthetic task, TreePO; `algo.name=grpo` runs the baseline the same way. It evaluates the base model and the final
 policy on held-out problems (pass@1: the mean accuracy of trainer.eval_samples answers per problem sampled at
 trainer.eval_temperature; eval_temperature=0 decodes greedily), and writes `<run_dir>/summary.json`.
 
@@ -19,12 +20,17 @@ waiting for the learner at the checkpoint are trained as they were grown.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from typing import NamedTuple
 
+import yaml
+
+from treepo_ray import config as config_io
 from treepo_ray import storage
-from treepo_ray.job.config import TrainConfig, parse_config, print_config
+from treepo_ray.job.config import TrainConfig, config_names, parse_config, print_config
 from treepo_ray.job.inputs import Job, load_job
+from treepo_ray.job.redact import redacted
 from treepo_ray.job.rundir import RunLock, RunRecord, resolve_run
 from treepo_ray.job.trainer import Trainer
 from treepo_ray.runtime.cluster import init_ray, ray_gauges
@@ -71,12 +77,29 @@ def run(cfg: TrainConfig, observe=None) -> dict:
         return trainer.fit(job.train_set, observe)
 
 
+PRINT_CONFIG_HELP = """
+  --print-config [KEY ...]  print the resolved config as YAML (only the given dotted keys or sections) and stop,
+                            before Ray and the model. Every key and its default: `treepo-ray train --print-config`;
+                            what each means: the docstring under it in its section's dataclass; verl's keys and the
+                            keys here: docs/verl-migration.md.
+  sections: {sections}"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
-        print("usage: treepo-ray train [config.yaml] [key.sub=value ...]   (default config: jobs/configs/cpu.yaml)")
+        print("usage: treepo-ray train [config.yaml | NAME] [key.sub=value ...]   (default config: cpu)")
+        print(f"packaged configs (NAME): {', '.join(config_names())}")
+        print(PRINT_CONFIG_HELP.format(sections=", ".join(f.name for f in dataclasses.fields(TrainConfig))))
         return 0
+    if "--print-config" in argv:  # the words after it without '=' are the keys to print
+        at = argv.index("--print-config")
+        keys = [a for a in argv[at + 1:] if "=" not in a]
+        cfg = parse_config(argv[:at] + [a for a in argv[at + 1:] if "=" in a], "train")
+        shown = config_io.select(TrainConfig, redacted(config_io.to_dict(cfg)), keys)
+        print(yaml.safe_dump(shown, sort_keys=False), end="")
+        return 0  # before the run directory, Ray and the model
     cfg = parse_config(argv, "train")
     print_config(cfg)
     summary = run(cfg)  # a run directory held by a live run, or of another config, is a UserError (RunDirError)
