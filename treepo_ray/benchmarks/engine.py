@@ -51,6 +51,7 @@ from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams
 from treepo_ray.engines.driver import GrowLoop
 from treepo_ray.engines.hf import HFEngine
+from treepo_ray.engines.hub import resolve_model_path
 from treepo_ray.tree import SequentialConfig, SequentialGrower, Tree, TreePOConfig, TreePOGrower
 
 PROMPTS = [
@@ -87,7 +88,8 @@ def engine_specs(text: str) -> list[tuple[str, str, dict]]:
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The options the engine and stream benches share: engines, tree shape, sampling and the built model."""
-    p.add_argument("--model", help="HF model directory (default: build a random tiny Qwen2 in a temp dir)")
+    p.add_argument("--model", help="a model directory, cached hub id or GGUF file (pkg:PACKAGE/FILE for a package's; "
+                                    "default: build a random tiny Qwen2 in a temp dir)")
     p.add_argument("--engine", default="hf",
                    help="comma-separated engines (treepo_ray.engines.ENGINES), each optionally with keyword arguments "
                         "for it: 'hf,hf:attention_blocks=1' runs the hf engine as it is, then with one attention block")
@@ -413,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = Path(args.model) if args.model else build_model(args, Path(tmp) / "model")
+        model_path = (Path(resolve_model_path(args.model, "--model")) if args.model
+                      else build_model(args, Path(tmp) / "model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
         report: dict = {"command": ["treepo-ray", "bench", *(sys.argv[1:] if argv is None else argv)],

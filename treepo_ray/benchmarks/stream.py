@@ -37,6 +37,7 @@ from treepo_ray.benchmarks.engine import (MODES, PROMPTS, _jsonable, add_workloa
 from treepo_ray.engines import make_engine
 from treepo_ray.engines.base import SamplingParams
 from treepo_ray.engines.driver import StreamLoop
+from treepo_ray.engines.hub import resolve_model_path
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"command": ["treepo-ray", "bench", "stream", *(sys.argv[1:] if argv is None else argv)],
                     "settings": dict(vars(args)), "engines": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = Path(args.model) if args.model else build_model(args, Path(tmp) / "model")
+        model_path = (Path(resolve_model_path(args.model, "--model")) if args.model
+                      else build_model(args, Path(tmp) / "model"))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompts = stream_prompts(tokenizer, args.prompts)
         for name, engine_name, engine_kw in specs:

