@@ -20,7 +20,9 @@ def test_logger_writes_metrics_and_a_curve(tmp_path):
         assert line.startswith(f"step {step}: reward=") and "no_reward" not in line
     # Every sink gets each step's finite numbers (how the job adds Ray dashboard gauges).
     assert seen == [(step, {"critic/score/mean": 0.1 * step, "eval/accuracy": 0.5}) for step in range(3)]
-    log.save_trees(2, [{"query_id": "q2", "trajectories": [1]}])
+    tree = {"query_id": "q2", "parent": [-1, 0], "trajectories": [1], "reward": [None, 1.0], "finish": ["", "eos"],
+            "texts": ["", "4 + 5 = 9"], "prompt_text": "4 + 5?"}
+    log.save_trees(2, [tree])
     curve = log.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -32,8 +34,10 @@ def test_logger_writes_metrics_and_a_curve(tmp_path):
     again.close()
     assert read_metrics(tmp_path)[-1]["critic/score/mean"] == 9.0
     assert read_metrics(tmp_path)[-1]["eval/accuracy"] == 0.5  # merged with the step's earlier row
-    assert [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()] == [
-        {"step": 2, "query_id": "q2", "trajectories": [1]}]
+    assert [json.loads(line) for line in (tmp_path / "trees.jsonl").read_text().splitlines()] == [{"step": 2, **tree}]
+    assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [
+        {"step": 2, "query_id": "q2", "trained": True, "prompt": "4 + 5?",
+         "answers": [{"text": "4 + 5 = 9", "reward": 1.0, "finish": "eos"}]}]
 
 
 def test_trajectories_without_a_reward_show_on_the_console_by_cause(tmp_path):

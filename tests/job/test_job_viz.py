@@ -47,3 +47,26 @@ def test_viz_writes_a_self_contained_page(tmp_path, capsys):
 def test_viz_of_a_run_without_trees_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="trees.jsonl"):  # one line from the CLI, exit status 2
         viz_main([str(tmp_path)])
+
+
+def test_viz_shows_each_text_with_its_newlines_and_folds_a_long_one(tmp_path):
+    rec = saved_tree(3)
+    long = "".join(f"step {k}: 12 * {k} = {12 * k}\n" for k in range(40))  # ~800 characters over 40 lines
+    rec["texts"] = ["", "First line\n<b>second</b> & third", "c", "\x00byte\x07", long]
+    rec["prompt_text"] = "Q: 1+1?\nA:"
+    rec["trained"] = False
+    with (tmp_path / "trees.jsonl").open("w") as f:
+        f.write(json.dumps(rec) + "\n")
+    assert viz_main([str(tmp_path)]) == 0
+    page = (tmp_path / "trees.html").read_text()
+    assert "white-space:pre-wrap" in page
+    # the texts as written, outside the hover titles: newlines kept, markup escaped
+    assert "<div class='text'>First line\n&lt;b&gt;second&lt;/b&gt; &amp; third</div>" in page
+    assert "<div class='prompt'>Q: 1+1?\nA:</div>" in page
+    assert "<div class='text'>\\x00byte\\x07</div>" in page and "\x00" not in page  # a byte-level model's bytes
+    # the long one: its first 200 characters shown, the rest on a click
+    head, rest = long[:200], long[200:]
+    assert f"<details class='text'><summary>{head}<span class='more'> … ({len(rest)} more characters)</span>" \
+           f"</summary>{rest}</details>" in page
+    assert page.count("<details") == 1
+    assert "not trained" in page

@@ -90,6 +90,30 @@ def check_tensorboard() -> None:
         raise UserError("log.tensorboard = true needs the tensorboard package: pip install 'treepo-ray[tensorboard]'")
 
 
+ANSWERS_PER_TREE = 4
+
+
+def answer_samples(step: int, trees: list[dict], per_tree: int = ANSWERS_PER_TREE) -> list[dict]:
+    """What the model wrote at `step`, for samples.jsonl: one line per logged tree (the records of trees.jsonl, with
+    decoded texts), its prompt and its first `per_tree` answers, each the text of its path from the prompt, its reward
+    (None: unverified) and finish reason. `trained`: False for a tree the step did not train on (dynamic sampling
+    dropped it: all its rewards were equal)."""
+    out = []
+    for rec in trees:
+        parent, texts = rec["parent"], rec.get("texts") or [""] * len(rec["parent"])
+        answers = []
+        for end in rec.get("trajectories", [])[:per_tree]:
+            path, node = [], end
+            while node > 0:
+                path.append(node)
+                node = parent[node]
+            answers.append({"text": "".join(texts[n] for n in reversed(path)), "reward": rec["reward"][end],
+                            "finish": rec["finish"][end]})
+        out.append({"step": step, "query_id": rec.get("query_id", ""), "trained": rec.get("trained", True),
+                    "prompt": rec.get("prompt_text", ""), "answers": answers})
+    return out
+
+
 class RunLogger:
     """Fans each step's metrics out to every sink; `close()` draws the training curve."""
 
@@ -105,12 +129,14 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.trees_path = self.run_dir / "trees.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
         if resume_step == 0:  # a fresh run starts fresh files (said, when there were any); a resumed one appends
-            replaced = [p.name for p in (self.metrics_path, self.trees_path) if p.is_file() and p.stat().st_size]
+            files = (self.metrics_path, self.trees_path, self.samples_path)
+            replaced = [p.name for p in files if p.is_file() and p.stat().st_size]
             if replaced:
                 print(f"a fresh start in {self.run_dir}: the {' and '.join(replaced)} of an earlier start there "
                       "are replaced", flush=True)
-            for p in (self.metrics_path, self.trees_path):
+            for p in files:
                 p.unlink(missing_ok=True)
         self._unwritten: dict[Path, list[str]] = {}
         self.write_error = ""
@@ -142,8 +168,10 @@ class RunLogger:
         return ""
 
     def save_trees(self, step: int, trees: list[dict]) -> None:
-        """Append tree dicts (Tree.to_dict plus decoded segment texts) of `step` to trees.jsonl."""
+        """Append tree dicts (Tree.to_dict plus decoded segment texts) of `step` to trees.jsonl, and a few of their
+        answers as text to samples.jsonl (`answer_samples`)."""
         self._append(self.trees_path, [json.dumps({"step": step, **t}) + "\n" for t in trees])
+        self._append(self.samples_path, [json.dumps(s) + "\n" for s in answer_samples(step, trees)])
 
     def _append(self, path: Path, lines: list[str]) -> None:
         """Append `lines` after any kept from a failed write; on failure keep them all, the file cut back to where

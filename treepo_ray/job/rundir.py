@@ -9,7 +9,7 @@ batches that were waiting for the learner when a checkpoint was taken.
         pending-<step>.json.gz
                             the trees of the batches waiting in the staleness queue at that checkpoint: a resumed
                             run trains them first instead of growing them again with newer weights
-        metrics.jsonl, trees.jsonl, summary.json, training_curve.png, wandb/   (job/logs.py)
+        metrics.jsonl, trees.jsonl, samples.jsonl, summary.json, training_curve.png, wandb/   (job/logs.py)
 
 On an object store the logs are written to a local folder and uploaded with each checkpoint (`LogMirror`).
 """
@@ -407,13 +407,12 @@ def prune_run(run_dir: str, keep: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- logs
 
-
 class LogMirror:
     """Where the logger writes (a local folder) and how it reaches the run directory: the same folder for a path;
     for an object store, a local folder under `cache_dir` whose files are uploaded by `upload()` (at each checkpoint
     and at the end) and downloaded when a run resumes."""
 
-    FILES = ("metrics.jsonl", "trees.jsonl", "summary.json", "training_curve.png")
+    FILES = ("metrics.jsonl", "trees.jsonl", "samples.jsonl", "summary.json", "training_curve.png")
 
     def __init__(self, run_dir: str, cache_dir: str):
         self.run_dir = run_dir

@@ -9,15 +9,15 @@ actors) does the work it asks for, through three objects:
                 `fault_metrics()`, `pool.size`, and runtime.chaos while training runs (`start_chaos`,
                 `after_step`, `stop_chaos`)
 
-One step: the loop yields (batch, metrics) -> the trainer logs them (metrics.jsonl, W&B, the console, trees.jsonl),
-counts faults and tree mechanisms, and every trainer.save_every steps writes a checkpoint in run storage with the
-batches waiting for the learner beside it (job/rundir.py) -> the loop goes on. A learner lost (LearnerLost) is
-rebuilt from the newest checkpoint, at most runtime.faults.max_learner_restarts times: the steps trained after that
-checkpoint are trained again, from the same prompts (the stream is rewound to the checkpoint's data position), so
-each step of the final weights' history is trained once, and the log says so (a step logged twice). A write to run
-storage that fails (a checkpoint, its waiting batches, a log line) is said, counted (fault/storage_errors) and tried
-again at every step; once trainer.storage_retry_s has passed without a checkpoint going through, the run stops with
-one line.
+One step: the loop yields (batch, metrics) -> the trainer logs them (metrics.jsonl, W&B, the console, trees.jsonl and
+samples.jsonl, also for a step that trained on nothing), counts faults and tree mechanisms, and every
+trainer.save_every steps writes a checkpoint in run storage with the batches waiting for the learner beside it
+(job/rundir.py) -> the loop goes on. A learner lost (LearnerLost) is rebuilt from the newest checkpoint, at most
+runtime.faults.max_learner_restarts times: the steps trained after that checkpoint are trained again, from the same
+prompts (the stream is rewound to the checkpoint's data position), so each step of the final weights' history is
+trained once, and the log says so (a step logged twice). A write to run storage that fails (a checkpoint, its
+waiting batches, a log line) is said, counted (fault/storage_errors) and tried again at every step; once
+trainer.storage_retry_s has passed without a checkpoint going through, the run stops with one line.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class Trainer:
                 self.counters[key[len("growth/"):]] = self.counters.get(key[len("growth/"):], 0.0) + value
         self.state.trajectories += int(metrics.get("rollout/trajectories", 0))
         line = self.logger.log(step, metrics)
-        if self.cfg.log.trees_per_step:
+        if self.cfg.log.trees_per_step:  # a step that trained on nothing (all rewards equal) logs its trees too
             self.logger.save_trees(step, batch.trees)
         if self.logger.write_error:  # its lines are kept, and written with the next ones
             self._storage_failed(self.logger.write_error)
@@ -333,5 +333,6 @@ def format_summary(s: dict) -> str:
                         if s.get("final_accuracy") is not None else ""))
     if s.get("tree_counters"):
         lines.append("   tree growth: " + ", ".join(f"{k} {v:.0f}" for k, v in s["tree_counters"].items()))
-    lines.append(f"   run directory: {s['run_dir']} (summary.json, metrics.jsonl, trees.jsonl, training_curve.png)")
+    lines.append(f"   run directory: {s['run_dir']} (summary.json, metrics.jsonl, trees.jsonl, samples.jsonl, "
+                 f"training_curve.png)")
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """`treepo-ray viz RUN_DIR`: render the trees a run saved (trees.jsonl) as one self-contained HTML page.
 
 Each node is a box (one generated segment) placed by depth (x) and leaf order (y), coloured by its propagated
-reward (red 0 -> green 1, grey when unknown); hovering shows the segment's decoded text and its numbers.
+reward (red 0 -> green 1, grey when unknown); hovering shows the segment's decoded text and its numbers. Below each
+tree, its prompt and every segment's text as written (newlines kept; a text longer than FOLD_CHARS shows its start
+and opens on a click, <details>). A tree the step did not train on (dynamic sampling dropped it) says so.
 No scripts or external files: inline SVG with <title> tooltips, so the page opens anywhere.
 """
 
@@ -11,11 +13,46 @@ import argparse
 import html
 import json
 import math
+import re
 from pathlib import Path
 
 from treepo_ray.config import UserError
 
 BOX_W, BOX_H, GAP_X, GAP_Y = 90, 14, 30, 6
+FOLD_CHARS = 200
+"""A text longer than this shows its first FOLD_CHARS characters; the rest opens on a click."""
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def escaped(text: str) -> str:
+    """`text` for an HTML page: escaped, newlines and tabs kept, other control characters (a byte-level model writes
+    any byte) shown as \\xNN."""
+    return html.escape(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
+
+
+def folded(text: str, css: str = "text") -> str:
+    """`text` in a block that keeps its newlines (white-space: pre-wrap); folded when longer than FOLD_CHARS: its
+    start shown, the rest on a click."""
+    if len(text) <= FOLD_CHARS:
+        return f"<div class='{css}'>{escaped(text)}</div>"
+    return (f"<details class='{css}'><summary>{escaped(text[:FOLD_CHARS])}<span class='more'> … "
+            f"({len(text) - FOLD_CHARS} more characters)</span></summary>{escaped(text[FOLD_CHARS:])}</details>")
+
+
+def node_texts(rec: dict) -> str:
+    """Every generated segment's text, in node order (depth first: each path reads down the list), with its parent,
+    reward and finish reason."""
+    texts = rec.get("texts") or [""] * len(rec["parent"])
+    rewards, finish = rec.get("reward", []), rec.get("finish", [])
+    ends = set(rec.get("trajectories", []))
+    rows = []
+    for i in range(1, len(rec["parent"])):
+        r = rewards[i] if i < len(rewards) else None
+        head = (f"#{i} after #{rec['parent'][i]} · reward {'?' if r is None else f'{r:.3f}'} · "
+                f"{finish[i] if i < len(finish) else 'none'}{' · answer end' if i in ends else ''}")
+        rows.append(f"<li><span class='node'>{html.escape(head)}</span>{folded(texts[i] if i < len(texts) else '')}"
+                    "</li>")
+    return f"<ol class='texts'>{''.join(rows)}</ol>"
 
 
 def load_trees(run_dir: str | Path, step: int | None = None, max_trees: int = 50) -> list[dict]:
@@ -91,7 +128,7 @@ def tree_svg(rec: dict) -> str:
                f"{' (trajectory end)' if i in ends else ''}\n\n{texts[i] if i < len(texts) else ''}")
         stroke = ' stroke="#000" stroke-width="2"' if i in ends else ' stroke="#555"'
         parts.append(
-            f'<g><title>{html.escape(tip)}</title><rect x="{x[i]}" y="{y[i] - BOX_H / 2}" width="{BOX_W}" '
+            f'<g><title>{escaped(tip)}</title><rect x="{x[i]}" y="{y[i] - BOX_H / 2}" width="{BOX_W}" '
             f'height="{BOX_H}" rx="3" fill="{reward_colour(r)}"{stroke}/><text x="{x[i] + 4}" y="{y[i] + 4}" '
             f'font-size="10" font-family="monospace">{html.escape(label)}</text></g>'
         )
@@ -106,19 +143,25 @@ def render_html(records: list[dict], title: str) -> str:
         meta = rec.get("meta", {})
         leaf_r = [rec["reward"][n] for n in rec.get("trajectories", []) if rec["reward"][n] is not None]
         acc = f"{sum(leaf_r) / len(leaf_r):.2f}" if leaf_r else "?"
+        skipped = (" · <span class='dropped'>not trained (dropped by dynamic sampling)</span>"
+                   if rec.get("trained", True) is False else "")
         head = (f"step {rec.get('step', '?')} · query {html.escape(str(rec.get('query_id', '')))} · "
-                f"{len(rec['parent'])} nodes · {len(rec.get('trajectories', []))} trajectories · mean reward {acc}")
+                f"{len(rec['parent'])} nodes · {len(rec.get('trajectories', []))} trajectories · mean reward {acc}"
+                f"{skipped}")
         extra = html.escape(json.dumps({k: v for k, v in meta.items() if isinstance(v, (int, float, str))}))
-        prompt = html.escape(rec.get("prompt_text", ""))
-        sections.append(f"<section><h3>{head}</h3><p class='prompt'>{prompt}</p><p class='meta'>{extra}</p>"
-                        f"<div class='tree'>{tree_svg(rec)}</div></section>")
+        sections.append(f"<section><h3>{head}</h3>{folded(rec.get('prompt_text', ''), 'prompt')}"
+                        f"<p class='meta'>{extra}</p><div class='tree'>{tree_svg(rec)}</div>{node_texts(rec)}"
+                        "</section>")
     style = ("body{font-family:sans-serif;margin:1.5em} section{border-top:1px solid #ccc;padding:.5em 0} "
              ".prompt{font-family:monospace;white-space:pre-wrap;background:#f6f6f6;padding:.4em} "
-             ".meta{color:#666;font-size:80%} .tree{overflow-x:auto}")
+             ".text{font-family:monospace;white-space:pre-wrap;background:#fafafa;padding:.2em .4em;margin:.1em 0} "
+             "summary{cursor:pointer} .more{color:#888;font-family:sans-serif} .node{color:#666;font-size:80%} "
+             ".dropped{color:#b00} .meta{color:#666;font-size:80%} .tree{overflow-x:auto}")
     legend = ("<p>Each box is one generated segment, coloured by its propagated reward "
               "(<span style='background:#ff0060'>0</span> → <span style='background:#ffff60'>0.5</span> → "
               "<span style='background:#00ff60'>1</span>, grey unknown); thick borders end a trajectory. "
-              "Hover a box for its decoded text.</p>")
+              "Hover a box for its decoded text; each segment's text is listed below its tree (long ones folded: "
+              "click to read on).</p>")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{legend}{''.join(sections)}"
             f"</body></html>")

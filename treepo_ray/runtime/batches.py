@@ -48,7 +48,8 @@ class RolloutBatch:
     """Prompts of the training stream consumed once this batch is trained on (saved in checkpoints)."""
     metrics: dict = field(default_factory=dict)
     trees: list[dict] = field(default_factory=list)
-    """A few of the batch's trees with decoded texts, for trees.jsonl."""
+    """A few of the batch's trees with decoded texts, for trees.jsonl and samples.jsonl (dropped ones too when too few
+    were kept: BatchBuilder.logged_trees)."""
     kept: list[Tree] = field(default_factory=list)
     """The trees the samples were made from (saved with a checkpoint while the batch waits in the queue)."""
     grown: tuple[float, float] = (0.0, 0.0)
@@ -114,7 +115,16 @@ class BatchBuilder:
                         # zero when batches overlap, which read as 17,500 trajectories/s
                         "perf/traj_per_s": sum(len(t.trajectories) for t in grown) / max(t_grow - t0, 1e-9)})
         return RolloutBatch(step, version, ray.put(samples), sum(len(t.trajectories) for t in samples), position,
-                            metrics, [self.tree_record(t) for t in kept[:trees_logged]], kept, (t0, t_grow))
+                            metrics, self.logged_trees(grown, kept, trees_logged), kept, (t0, t_grow))
+
+    def logged_trees(self, grown: list[Tree], kept: list[Tree], n: int) -> list[dict]:
+        """The first `n` trees of the batch for trees.jsonl (`tree_record`), the trained ones first, then those dropped
+        (dynamic sampling: all rewards equal; every verification failed), so that a step that trains on nothing
+        still shows what the model wrote. Each says whether it was trained."""
+        trained = {id(t) for t in kept}
+        dropped = [t for t in grown if id(t) not in trained]
+        return ([{**self.tree_record(t), "trained": True} for t in kept[:n]]
+                + [{**self.tree_record(t), "trained": False} for t in dropped[:max(0, n - len(kept))]])
 
     def credit(self, kept: list[Tree]) -> tuple[list, list, list[float] | None]:
         """The learner's trees of the kept trees (learner/batch.py: TrainTree), their credit and the per-tree
