@@ -57,7 +57,7 @@ def test_a_bad_row_is_one_line_and_status_2(capsys, tmp_path, model_dir):
                                       "rollout.sequential.max_response_len or rollout.treerpo.max_response_len"),
     ("trainer.save_freq=10", "verl's key; here: trainer.save_every"),
     ("trainer.total_epochs=3", "verl's key, with no equivalent here: set trainer.steps instead"),
-    ("actor_rollout_ref.model.lora_rank=32", "verl's key, with no equivalent here: full-parameter training only"),
+    ("actor_rollout_ref.model.lora_rank=32", "verl's key; here: model.lora_rank"),
 ])
 def test_mistyped_and_verl_keys_name_the_key_here(capsys, key, said):
     code, err = run(capsys, "train", key)

@@ -124,3 +124,40 @@ def test_select_prints_only_the_keys_asked_for():
     assert config.select(Outer, data, []) == data
     with pytest.raises(config.UnknownKey, match="did you mean inner.items"):
         config.select(Outer, data, ["inner.itemz"])
+
+
+def test_a_refused_value_says_where_each_key_it_names_came_from():
+    from treepo_ray.tree import TreePOConfig
+
+    @dataclass
+    class Job:
+        treepo: TreePOConfig = field(default_factory=TreePOConfig)
+
+    args = ["treepo.init_divergence_min=4", "treepo.init_divergence_max=8", "treepo.width=4"]
+    with pytest.raises(config.UserError) as plain:
+        config.load(Job, None, args)
+    assert "[" not in str(plain.value)  # outside key_origins: the section's own message, as before
+    with config.key_origins({"treepo.init_divergence_min": "from a.yaml", "treepo.width": "command line"}):
+        with pytest.raises(config.UserError) as err:
+            config.load(Job, None, args)
+    said = str(err.value)
+    assert said.startswith(str(plain.value))
+    assert ("[treepo.width = 4 (command line); treepo.init_divergence_min = 4 (from a.yaml); "
+            "treepo.init_divergence_max = 8 (default)]") in said
+    assert "treepo.init_divergence =" not in said  # a key whose name is a prefix of a named one is not named
+
+
+def test_an_invalid_file_names_the_file_and_each_key_with_its_origin(tmp_path):
+    from treepo_ray.tree import TreePOConfig
+
+    @dataclass
+    class Job:
+        treepo: TreePOConfig = field(default_factory=TreePOConfig)
+
+    path = tmp_path / "job.yaml"
+    path.write_text("treepo:\n  init_divergence: 20\n")
+    with pytest.raises(config.UserError) as err:
+        config.load(Job, path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert f"treepo.init_divergence = 20 (from {path})" in str(err.value)
+    assert "treepo.width = 16 (default)" in str(err.value)

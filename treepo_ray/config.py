@@ -6,10 +6,13 @@ the job's top-level config composes them. Unknown keys are errors, never silentl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -180,10 +183,63 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
-    except UserError:
-        raise
-    except ValueError as err:  # a section's __post_init__ check; its message names the key
-        raise UserError(str(err)) from None
+    except ValueError as err:  # a section's __post_init__ check; its message names the key (said with its origin)
+        if isinstance(err, UserError) and (type(err) is not UserError or _ORIGINS.get() is None):
+            raise
+        raise UserError(str(err) + _origin_note(cls, data, where, str(err))) from None
+
+
+_ORIGINS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("key_origins", default=None)
+
+
+@contextlib.contextmanager
+def key_origins(origins: dict[str, str]):
+    """While inside, a section's check that refuses a value says where each key it names got its value: `origins`
+    maps a dotted key (or a section) to e.g. 'from my.yaml' or 'command line'; a key it lacks is 'default'."""
+    token = _ORIGINS.set(origins)
+    try:
+        yield
+    finally:
+        _ORIGINS.reset(token)
+
+
+def origin_of(key: str, origins: dict[str, str]) -> str:
+    """Where `key` got its value: its own entry in `origins`, else its closest section's, else 'default'."""
+    while key:
+        if key in origins:
+            return origins[key]
+        key = key.rpartition(".")[0]
+    return "default"
+
+
+def _origin_note(cls: type, data: dict, where: str, message: str) -> str:
+    """' [key = value (origin); ...]' for each key of section `cls` (at `where`, built from `data`) that `message`
+    names, dotted (`rollout.treepo.width`) or bare (`width`, `TreePOConfig.width`); '' outside key_origins."""
+    origins = _ORIGINS.get()
+    if origins is None:
+        return ""
+    prefix, said = f"{where}." if where else "", []
+    sections = {k for k in dotted_keys(cls) if _is_section(cls, k)}
+    for key in dotted_keys(cls):
+        if key in sections:
+            continue
+        full = prefix + key
+        named = re.search(rf"(?<![\w.]){re.escape(full)}(?!\w)", message) or ("." not in key and re.search(
+            rf"(?:(?<![\w.])|{re.escape(cls.__name__)}\.){re.escape(key)}(?!\w)", message))
+        if not named:
+            continue
+        node: Any = data
+        for part in key.split("."):
+            node = node.get(part, "?") if isinstance(node, dict) else "?"
+        value = "" if node == "?" else f" = {node!r}"
+        said.append(f"{full}{value} ({origin_of(full, origins)})")
+    return f" [{'; '.join(said)}]" if said else ""
+
+
+def _is_section(cls: type, key: str) -> bool:
+    for part in key.split("."):
+        cls = _hints(cls)[part]
+    return dataclasses.is_dataclass(cls)
 
 
 def to_dict(cfg: Any) -> dict:
@@ -286,7 +342,8 @@ def read_file_overrides(cls: type, path: str | Path | None) -> list[str]:
         raise UserError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
     args = file_overrides(cls, data)
     try:
-        apply_overrides(cls(), args)
+        with key_origins({arg.partition("=")[0]: f"from {path}" for arg in args}):
+            apply_overrides(cls(), args)
     except UnknownKey as err:
         raise err.within(f"{path}: ") from None
     except ValueError as err:

@@ -62,3 +62,20 @@ def test_paper_plan_alone_packs_within_ten_percent_of_unique_tokens(tmp_path):
     assert paper["forward_per_unique"] <= 1.10 and result["targets"]["paper/forward_per_unique<=1.10"]
     # Under budgets that hold one path or less, never more than one row per path.
     assert all(b["forward_tokens"] <= paper["unpacked_tokens"] for b in paper["other_budgets"])
+
+
+@pytest.mark.slow
+def test_lora_rank_adds_the_lora_step_against_full_fine_tuning(tiny, tmp_path):
+    out = tmp_path / "learner.json"
+    assert main(["--configs", "c", "--rounds", "1", "--steps", "1", "--prompt-len", "4", "--step-len", "2",
+                 "--lora-rank", "4", "--no-memory", "--json", str(out), f"model.path={tiny}",
+                 "learner.micro_batch_tokens=400"]) == 0
+    result = json.loads(out.read_text())
+    c = result["configs"]["c"]
+    lora, full = c["lora"]["lora"], c["lora"]["full"]
+    assert c["lora"]["lora_rank"] == 4 and c["lora"]["target_modules"] == ["all-linear"]
+    assert 0 < lora["trainable_params"] < full["trainable_params"] / 10
+    assert lora["step_s"] > 0 and lora["peak_mem_mb"] >= 0 and np.isfinite(lora["loss"])
+    assert c["lora"]["lora_step_ratio"] == pytest.approx(lora["step_s"] / full["step_s"])
+    assert full["loss"] == pytest.approx(lora["loss"], rel=1e-4)  # B = 0 at the start: the same first loss
+    assert {"c/lora_step<full", "c/lora_peak_mem<full"} <= set(result["targets"])

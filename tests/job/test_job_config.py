@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from treepo_ray.config import UserError
 from treepo_ray.job.config import CONFIG_DIR, DEFAULT_CONFIG, load_config
 from treepo_ray.tree import Tree
 
@@ -209,3 +210,11 @@ def test_no_float_key_takes_nan_or_infinity(value):
     for key, index in keys.items():
         with pytest.raises(UserError, match=rf"^{re.escape(key + index)}: expected a finite number, got"):
             load_config(None, [f"{key}=[{value}]" if index else f"{key}={value}"])
+
+
+def test_lora_is_set_in_the_model_section_and_the_learner_follows_it():
+    cfg = load_config(None, ["model.lora_rank=8", "model.lora_alpha=32", "model.target_modules=q_proj,v_proj"])
+    assert (cfg.learner.lora_rank, cfg.learner.lora_alpha, cfg.learner.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
+    assert cfg.learner.lora and not load_config(None, []).learner.lora
+    with pytest.raises(UserError, match="learner.lora_rank is set from model.lora_rank"):
+        load_config(None, ["learner.lora_rank=8"])

@@ -36,7 +36,7 @@ def test_verl_keys_valid_here_are_left_alone():
     ("actor_rollout_ref.rollout.n", "verl's key; here: rollout.treepo.width or rollout.sequential.group_size"),
     ("rollout.n", "verl's actor_rollout_ref.rollout.n; here: rollout.treepo.width"),  # a dotted tail of one
     ("+actor_rollout_ref.actor.optim.lr", "verl's key; here: learner.lr"),  # Hydra's `+key=`
-    ("actor_rollout_ref.model.lora_rank", "verl's key, with no equivalent here: full-parameter training only"),
+    ("actor_rollout_ref.model.lora_rank", "verl's key; here: model.lora_rank (same (peft)"),
     ("actor_rollout_ref.rollout.enforce_eager", "verl's key, with no equivalent here (docs/verl-migration.md"),
     ("trainer.stepz", None),
 ])

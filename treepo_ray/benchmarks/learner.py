@@ -2,7 +2,8 @@
 unpacked (one row per trajectory); and the output layer's peak memory at a real vocabulary, full logits against
 chunked log-probs.
 
-    treepo-ray bench learner [config.yaml] [--json FILE] [--configs a,b,c] [--rounds N] [--steps N] [key=value ...]
+    treepo-ray bench learner [config.yaml] [--json FILE] [--configs a,b,c] [--rounds N] [--steps N]
+                             [--lora-rank R] [key=value ...]
 
 Configs, on the job's tiny base model with the job's learner settings (config file and key=value overrides) and
 each algorithm's own loss:
@@ -29,6 +30,12 @@ the learner, takes the gradient of the batch's loss at the base weights, then ti
                      unpacked gradient for a and b, a direct per-node computation for c (each node's own path
                      through the plain Hugging Face model, its tokens' mean term times w(T) over the nodes)
 and per config the token ratio (unpacked / packed forward tokens) and the step speed-up.
+
+LoRA (`--lora-rank R`, R > 0): per config also `lora`: the packed step with LoRA adapters of rank R (the job's
+model.lora_alpha and model.target_modules) against the packed full fine-tuning step, `--rounds` processes each
+(alternating), with glibc returning freed memory at once (EXACT_RSS) so the peak RSS follows the live tensors:
+step_s, peak_mem_mb and trainable parameters of each, and lora_step_ratio / lora_peak_mem_ratio (LoRA / full; the
+issue's target: both below 1).
 
 Memory (`logits_memory`): the output layer alone, --logits-tokens rows against a --logits-vocab vocabulary
 (hidden size --logits-hidden), log-probs of random targets and the entropy, then backward: the learner before
@@ -67,6 +74,8 @@ def add_args(ap) -> None:
     ap.add_argument("--segment-len", type=int, default=32, help="tokens per segment of b")
     ap.add_argument("--step-len", type=int, default=16, help="tokens per segment of c")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also time a packed LoRA step of this rank against full fine-tuning (0 = no)")
     ap.add_argument("--no-memory", action="store_true", help="skip the output layer's memory measurement")
     ap.add_argument("--logits-tokens", type=int, default=4096)
     ap.add_argument("--logits-vocab", type=int, default=150_000)
@@ -163,7 +172,8 @@ def _learner_child(model_path: str, lcfg, trees, steps: int, threads: int, out: 
         t0 = time.perf_counter()
         metrics = learner.train_step(trees)
         times.append(time.perf_counter() - t0)
-    torch.save(dict(grads=grads, times=times, metrics=metrics, peak_mem_mb=_peak_rss_mb() - rss0), out)
+    torch.save(dict(grads=grads, times=times, metrics=metrics, peak_mem_mb=_peak_rss_mb() - rss0,
+                    trainable=learner.trainable_parameters()), out)
 
 
 def _reference_child(model_path: str, lcfg, trees, threads: int, out: str, rows: int = 64) -> None:
@@ -272,12 +282,58 @@ def measure(name: str, trees, lcfg, model_path: str, args, reference: bool) -> d
                      "step_s": min(t for run in runs[mode] for t in run["times"]),
                      "step_s_all": [t for run in runs[mode] for t in run["times"]],
                      "peak_mem_mb": max(run["peak_mem_mb"] for run in runs[mode]),
+                     "trainable_params": runs[mode][0]["trainable"],
                      "grad_rel_diff": grad_rel_diff(runs[mode][0]["grads"], g_ref)}
     p, u = out["packed"], out["unpacked"]
     out["token_ratio"] = u["forward_tokens"] / p["forward_tokens"]
     out["speedup"] = u["step_s"] / p["step_s"]
     out["speedup_over_ratio"] = out["speedup"] / out["token_ratio"]
     out["packed_forward_per_unique"] = p["forward_tokens"] / unique
+    return out
+
+
+EXACT_RSS = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""glibc settings of the LoRA comparison's processes: every allocation over 64 KiB gets its own mapping, returned to the
+system when freed, so the peak RSS follows the live tensors (with glibc's adaptive threshold freed activations stay
+in the heap, and two runs differ by more than LoRA saves on a small model)."""
+
+
+def _run_exact_rss(target, *args) -> dict:
+    import os
+
+    saved = {k: os.environ.get(k) for k in EXACT_RSS}
+    os.environ.update(EXACT_RSS)  # read by glibc when the spawned process starts
+    try:
+        return _run(target, *args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure_lora(name: str, trees, lcfg, model_path: str, args) -> dict:
+    """The packed step with LoRA adapters (rank lcfg.lora_rank) against packed full fine-tuning, each in processes
+    of its own (alternating which goes first, glibc set for exact RSS: EXACT_RSS)."""
+    modes = {"full": dataclasses.replace(lcfg, packing="tree", lora_rank=0),
+             "lora": dataclasses.replace(lcfg, packing="tree")}
+    runs: dict[str, list] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+            runs[mode].append(_run_exact_rss(_learner_child, model_path, modes[mode], trees, args.steps,
+                                             args.threads))
+            print(f"  {name} {mode}: step {min(runs[mode][-1]['times']):.2f}s", flush=True)
+    out: dict = {"lora_rank": lcfg.lora_rank, "lora_alpha": lcfg.lora_alpha,
+                 "target_modules": list(lcfg.target_modules)}
+    for mode in modes:
+        out[mode] = {"trainable_params": runs[mode][0]["trainable"],
+                     "step_s": min(t for run in runs[mode] for t in run["times"]),
+                     "step_s_all": [t for run in runs[mode] for t in run["times"]],
+                     "peak_mem_mb": max(run["peak_mem_mb"] for run in runs[mode]),
+                     "loss": runs[mode][0]["metrics"]["loss"]}
+    out["lora_step_ratio"] = out["lora"]["step_s"] / out["full"]["step_s"]
+    out["lora_peak_mem_ratio"] = out["lora"]["peak_mem_mb"] / max(out["full"]["peak_mem_mb"], 1e-9)
     return out
 
 
@@ -371,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     args, cfg = parsed
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
-    if bad or args.rounds < 1 or args.steps < 1:
-        print(f"treepo-ray bench learner: --configs from {CONFIGS}, --rounds and --steps >= 1", file=sys.stderr)
+    if bad or args.rounds < 1 or args.steps < 1 or args.lora_rank < 0:
+        print(f"treepo-ray bench learner: --configs from {CONFIGS}, --rounds and --steps >= 1, --lora-rank >= 0",
+              file=sys.stderr)
         return 2
     from treepo_ray.learner import train_trees
     from treepo_ray.job.inputs import resolve_model
@@ -407,6 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: token ratio {r['token_ratio']:.2f}, speed-up {r['speedup']:.2f}x, packed forward/unique "
               f"{r['packed_forward_per_unique']:.3f}, peak MB packed {r['packed']['peak_mem_mb']:.0f} / unpacked "
               f"{r['unpacked']['peak_mem_mb']:.0f}, grad rel diff {r['packed']['grad_rel_diff']:.1e}", flush=True)
+        if args.lora_rank > 0:
+            lora_cfg = dataclasses.replace(lcfg, lora_rank=args.lora_rank, lora_alpha=trees_cfg.model.lora_alpha,
+                                           target_modules=list(trees_cfg.model.target_modules))
+            r["lora"] = lo = measure_lora(name, trees, lora_cfg, model_path, args)
+            print(f"  {name}: LoRA r={args.lora_rank} step {lo['lora']['step_s']:.3f}s vs full "
+                  f"{lo['full']['step_s']:.3f}s ({lo['lora_step_ratio']:.2f}x), peak MB {lo['lora']['peak_mem_mb']:.0f} "
+                  f"vs full {lo['full']['peak_mem_mb']:.0f} ({lo['lora_peak_mem_ratio']:.2f}x), trainable params "
+                  f"{lo['lora']['trainable_params']} vs {lo['full']['trainable_params']}", flush=True)
     if not args.no_memory:
         print("logits memory", flush=True)
         result["logits_memory"] = m = logits_memory(args, cfg.learner.logprob_chunk)
@@ -429,6 +494,9 @@ def _targets(result: dict) -> dict:
         if name in ("b", "c"):
             out[f"{name}/speedup>=0.8*token_ratio"] = r["speedup_over_ratio"] >= 0.8
             out[f"{name}/peak_mem<=unpacked"] = r["packed"]["peak_mem_mb"] <= r["unpacked"]["peak_mem_mb"]
+        if "lora" in r:
+            out[f"{name}/lora_step<full"] = r["lora"]["lora_step_ratio"] < 1.0
+            out[f"{name}/lora_peak_mem<full"] = r["lora"]["lora_peak_mem_ratio"] < 1.0
     if "logits_memory" in result:
         m = result["logits_memory"]
         out["logits/peak<=1/3"] = m["peak_ratio"] <= 1 / 3

@@ -247,6 +247,13 @@ class ModelConfig:
     """Generation backend (treepo_ray.engines.make_engine): 'hf' or 'vllm'."""
     engine_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of the engine's constructor."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank (peft) instead of full fine-tuning (verl's actor_rollout_ref.model.lora_rank): the
+    learner trains only the adapters, the engines load the merged weights; 0 = off (learner/config.py)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is scaled by lora_alpha / lora_rank (verl's model.lora_alpha)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get LoRA adapters: [all-linear] (verl's default) or module names (q_proj,v_proj)."""
 
 
 @dataclass
@@ -444,9 +451,9 @@ def default_micro_batch_tokens(cfg: TrainConfig) -> int:
     return max(LearnerConfig.micro_batch_tokens, longest_path(cfg))
 
 
-def _check_micro_batch_tokens(cfg: TrainConfig, derived: int) -> None:
+def _check_micro_batch_tokens(cfg: TrainConfig, derived: int, say: bool = True) -> None:
     budget, longest = cfg.learner.micro_batch_tokens, longest_path(cfg)
-    if budget == derived and derived > LearnerConfig.micro_batch_tokens:
+    if say and budget == derived and derived > LearnerConfig.micro_batch_tokens:
         print(f"learner.micro_batch_tokens = {budget}: the longest path the rollout allows (prompt "
               f"{cfg.data.prompt.max_prompt_tokens} + response {longest - cfg.data.prompt.max_prompt_tokens})",
               file=sys.stderr, flush=True)
@@ -457,30 +464,49 @@ def _check_micro_batch_tokens(cfg: TrainConfig, derived: int) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
+                cls: type[TrainConfig] = TrainConfig, derived: dict[str, str] | None = None,
+                say_derived: bool = True) -> TrainConfig:
     """Defaults, then the YAML file at `path`, then `key.sub=value` overrides; errors (UserError) name the file
-    and key. The algorithm's own loss (its `loss`, algo/<name>.py) goes under everything given explicitly, and so does
-    learner.off_policy = behaviour when runtime.max_staleness > 0. `cls`: TrainConfig,
-    or EvalJobConfig for `treepo-ray eval`."""
+    and key, and a value a section refuses is said with where it came from (the file, the command line, a preset,
+    the default). The algorithm's own loss (its `loss`, algo/<name>.py) goes under everything given explicitly, and
+    so does learner.off_policy = behaviour when runtime.max_staleness > 0; so do `derived` (`key=value` -> why, e.g.
+    a limit taken from the model's context). `cls`: TrainConfig, or EvalJobConfig for `treepo-ray eval`.
+    `say_derived`: print a learner.micro_batch_tokens derived above its default (parse_config lists it itself)."""
+    derived = derived or {}
     try:
-        args = config_io.read_file_overrides(cls, path) + list(overrides or [])
-        cfg = config_io.load(cls, None, args)
+        file_args = config_io.read_file_overrides(cls, path)
+        args = list(derived) + file_args + list(overrides or [])
+        origins = key_origins(path, file_args, overrides or [], derived)
+        with config_io.key_origins(origins):
+            cfg = config_io.load(cls, None, args)
     except config_io.UnknownKey as err:  # a verl key: name the key here that does its job (job/verl_keys.py)
         verl = verl_keys.explain(err.key)
         raise (err.because(verl) if verl else err) from None
     preset = []
     if cfg.algo.loss_preset:
         preset = [f"learner.loss.{k}={v}" for k, v in cfg.algo.spec.loss.items()]
+        for k in cfg.algo.spec.loss:
+            origins.setdefault(f"learner.loss.{k}", f"algo.name = {cfg.algo.name!r}'s loss preset")
     if cfg.runtime.max_staleness > 0:  # under the explicit keys, as the loss preset
         # Batches sampled by older weights: the PPO ratio must be to the weights that sampled them. "recompute"
         # takes it to the learner's current weights, so the staleness goes uncorrected (with one pass the ratio is
         # 1 and never clips). catpo_cpu.yaml (staleness 1), TreeRPO, 60 s, held-out from 0.40 at 5 points, two
         # runs: recompute swung between 0.14 and 0.43; behaviour rose at every point, to 0.55-0.56.
         preset.append("learner.off_policy=behaviour")
-    derived = default_micro_batch_tokens(cfg)
-    preset.append(f"learner.micro_batch_tokens={derived}")  # under the explicit keys, as the loss preset
-    cfg = config_io.load(cls, None, preset + args)
-    _check_micro_batch_tokens(cfg, derived)
+        origins.setdefault("learner.off_policy", "the default with runtime.max_staleness > 0")
+    derived_tokens = default_micro_batch_tokens(cfg)
+    preset.append(f"learner.micro_batch_tokens={derived_tokens}")  # under the explicit keys, as the loss preset
+    origins.setdefault("learner.micro_batch_tokens", "derived: at least the longest path the rollout allows")
+    # LoRA is set where verl users set it (model.lora_*); the learner's copy of it always follows.
+    lora = {"lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+            "target_modules": ",".join(cfg.model.target_modules)}
+    own = [a.partition("=")[0] for a in args if a.partition("=")[0] in {f"learner.{k}" for k in lora}]
+    if own:
+        raise UserError(f"{own[0]} is set from model.{own[0].split('.')[1]} (verl's actor_rollout_ref.model.*): "
+                        f"set that key instead")
+    with config_io.key_origins(origins):
+        cfg = config_io.load(cls, None, preset + args + [f"learner.{k}={v}" for k, v in lora.items()])
+    _check_micro_batch_tokens(cfg, derived_tokens, say_derived)
     if cfg.runtime.max_staleness > 0 and cfg.learner.off_policy == "recompute":
         warnings.warn(f"learner.off_policy = 'recompute' with runtime.max_staleness = {cfg.runtime.max_staleness}: "
                       f"batches sampled by older weights train as if on-policy (the ratio to the current weights); "
@@ -488,31 +514,158 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if cfg.learner.loss.aggregation == "node-mean" and not cfg.algo.spec.per_node:
         per_node = [name for name, spec in ALGORITHMS.items() if spec.per_node]
         raise UserError(f"learner.loss.aggregation = 'node-mean' needs per-node advantages (algo.name one of "
-                        f"{per_node}), not algo.name = {cfg.algo.name!r}")
+                        f"{per_node}), not algo.name = {cfg.algo.name!r} [algo.name "
+                        f"({config_io.origin_of('algo.name', origins)}); learner.loss.aggregation "
+                        f"({config_io.origin_of('learner.loss.aggregation', origins)})]")
     _check_not_redacted(cfg)
+    cfg._key_origins = origins  # where each key's value came from (parse_config's list; not a key)
     return cfg
+
+
+def key_origins(path: str | Path | None, file_args: list[str], overrides: list[str],
+                derived: dict[str, str] | None = None) -> dict[str, str]:
+    """Dotted key -> where its value comes from: 'derived: ...', 'from FILE' (cpu.yaml said as the config used
+    when none is given), 'command line'; the later wins, as the values do. A key not here is the default."""
+    origins = {arg.partition("=")[0]: f"derived: {why}" for arg, why in (derived or {}).items()}
+    where = (f"from {Path(path).name}, the default config"
+             if path is not None and Path(path).resolve() == DEFAULT_CONFIG else f"from {path}")
+    origins.update({arg.partition("=")[0]: where for arg in file_args})
+    origins.update({arg.partition("=")[0]: "command line" for arg in overrides})
+    return origins
+
+
+# ---------------------------------------------------------------------------------------------- a task of your own
+
+SYNTHETIC_TASKS = ("synthetic", "synthetic_addition")
+
+
+def _own_task(argv: list[str]) -> bool:
+    """Whether the overrides name data other than the synthetic tasks cpu.yaml is tuned for (data.train_files,
+    data.val_files, or a data.name that is not a built-in task)."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in ("data.train_files", "data.val_files") and value.strip() not in ("", "[]"):
+            return True
+        if key == "data" or (key == "data.name" and value.strip() not in SYNTHETIC_TASKS):
+            return True
+    return False
+
+
+def _model_context(path: str) -> tuple[int | None, str]:
+    """The context length of model.path's config.json (max_position_embeddings), read without loading or
+    converting anything, and why it is unknown when it is."""
+    from treepo_ray.engines.gguf import is_gguf_ref
+    from treepo_ray.engines.hub import model_context_length, resolve_model_path
+
+    if not path:
+        return None, "no model.path"
+    if is_gguf_ref(path) or Path(path).expanduser().is_file():
+        return None, "a GGUF file's context is read once it is converted"
+    try:
+        context = model_context_length(resolve_model_path(path))
+    except UserError:  # named by the input checks, before anything slow
+        return None, "model.path not found"
+    return context, "" if context else "its config.json gives no max_position_embeddings"
+
+
+def task_defaults(argv: list[str], cls: type[TrainConfig] = TrainConfig) -> tuple[dict[str, str], str]:
+    """For a run given its own data and no config file: the limits that come from the model (`key=value` -> why,
+    each only where the command line leaves it unset) and why there are none. The whole context is each segment
+    sampler's max_total_len; where the prompt budget and algo.name's sampler's response budget overrun it, the prompt
+    budget shrinks to what the response leaves, or to a quarter of the context where that is less, and each sampler's
+    response budget that still overruns takes the rest."""
+    try:
+        cfg = config_io.load(cls, None, argv)
+    except UserError:  # load_config says what is wrong
+        return {}, ""
+    context, why = _model_context(cfg.model.path)
+    if not context:
+        return {}, why
+    given = {arg.partition("=")[0] for arg in argv}
+    derived: dict[str, str] = {}
+    samplers = {name: cfg.rollout.sampler_config(name) for name in ("treepo", "sequential", "treerpo")}
+    prompt = cfg.data.prompt.max_prompt_tokens
+    longest = cfg.sampler_config.response_limit()  # the sampler algo.name uses
+    if prompt + longest > context and "data.prompt.max_prompt_tokens" not in given:
+        if context - longest >= context // 4:
+            prompt = context - longest
+            why = f"the model's context ({context}) less the response budget ({longest})"
+        elif prompt > context // 4:
+            prompt, why = context // 4, f"a quarter of the model's context ({context})"
+        if prompt != cfg.data.prompt.max_prompt_tokens:
+            derived[f"data.prompt.max_prompt_tokens={prompt}"] = why
+    for name, sampler in samplers.items():
+        key = f"rollout.{name}"
+        if hasattr(sampler, "max_total_len") and f"{key}.max_total_len" not in given:
+            derived[f"{key}.max_total_len={context}"] = "the model's context (max_position_embeddings)"
+        if prompt + sampler.response_limit() > context and f"{key}.max_response_len" not in given:
+            derived[f"{key}.max_response_len={context - prompt}"] = (f"the model's context ({context}) less the "
+                                                                    f"prompt budget ({prompt})")
+    return derived, ""
+
+
+TASK_TUNED = ("width", "group_size", "n_children", "segment_len", "step_len", "max_depth", "max_response_len",
+              "max_total_len", "init_divergence_min", "init_divergence_max", "repetition_substr_len",
+              "repetition_min_count")
+"""The sampler keys cpu.yaml tunes for its tiny task (sizes, limits, early stops, initial divergence)."""
+
+
+def _task_values(cfg: TrainConfig, origins: dict[str, str]) -> list[str]:
+    """The sampler's task-tuned values (TASK_TUNED), the prompt budget and the learning rate as this run has them,
+    each with its key and where it came from."""
+    sampler = f"rollout.{cfg.algo.spec.sampler}."
+    keys = [sampler + k for k in TASK_TUNED] + ["data.prompt.max_prompt_tokens", "learner.lr",
+                                               "learner.micro_batch_tokens"]
+    flat = dict(_leaves(config_io.to_dict(cfg)))
+    return [f"  {k} = {flat[k]!r} ({config_io.origin_of(k, origins)})" for k in keys if k in flat]
 
 
 def parse_config(argv: list[str], command: str, cls: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """A command line `[config.yaml|NAME] [key.sub=value ...]` (default: the packaged cpu.yaml) as a config of
-    `cls`; UserError on a missing file or unknown name, a bad key or an argument that is not key=value."""
-    path: Path = DEFAULT_CONFIG
+    `cls`; UserError on a missing file or unknown name, a bad key or an argument that is not key=value.
+
+    With no file and data of the user's own (data.train_files, data.val_files, a data.name that is no built-in
+    task), the run starts from the built-in defaults, not cpu.yaml (tuned for its tiny synthetic task), with the
+    limits that come from the model derived from its context (task_defaults); with no file and a model.path on
+    the synthetic task, cpu.yaml applies. Either way print_config (before anything slow) lists the task-tuned
+    values with their keys and origins."""
+    path: Path | None = DEFAULT_CONFIG
     for arg in argv:
         if arg.startswith("--"):
             raise UserError(f"{arg!r}: `treepo-ray {command}` takes a config file and key=value overrides, not "
                             f"--flags (e.g. model.path=DIR trainer.eval_samples=8; `treepo-ray {command} --help`)")
-    if argv and "=" not in argv[0]:
+    given_file = bool(argv) and "=" not in argv[0]
+    if given_file:
         path, argv = resolve_config(argv[0]), argv[1:]
     for arg in argv:
         if "=" not in arg:
             raise UserError(f"{arg!r} is not a key=value override (usage: treepo-ray {command} [config.yaml] "
                             f"[key.sub=value ...])")
-    return load_config(path, argv, cls)
+    if given_file or not (_own_task(argv) or any(a.startswith("model.path=") and a != "model.path=" for a in argv)):
+        return load_config(path, argv, cls)
+    derived, unknown = {}, ""
+    if _own_task(argv):
+        path = None
+        derived, unknown = task_defaults(argv, cls)
+    cfg = load_config(path, argv, cls, derived, say_derived=False)
+    origins = cfg._key_origins
+    if path is None:
+        head = (f"treepo-ray {command}: no config file and data of your own: the built-in defaults, not cpu.yaml "
+                f"(tuned for its tiny synthetic task)" + (f"; no limit from the model ({unknown})" if unknown else "")
+                + ". Task-dependent values (set the key, or give a config file, to change one):")
+    else:
+        head = (f"treepo-ray {command}: no config file: model.path on the synthetic task, with cpu.yaml's tuning "
+                f"for it (set the key, or give a config file, to change one):")
+    cfg._task_values = "\n".join([head, *_task_values(cfg, origins)])  # said by print_config (not a key)
+    return cfg
 
 
 def print_config(cfg: TrainConfig) -> None:
     """The resolved config (defaults, file and overrides applied), as the command will use it, its secrets redacted
-    (job/redact.py: credential keys, log.redact_keys, known token formats)."""
+    (job/redact.py: credential keys, log.redact_keys, known token formats); first, for a run with no config file but
+    a model.path or data of its own, the task-dependent values with their keys and origins (parse_config)."""
+    if getattr(cfg, "_task_values", ""):  # parse_config's list of the task-dependent values, with their origins
+        print(cfg._task_values + "\n", flush=True)
     print("resolved config:\n" + yaml.safe_dump(redacted(config_io.to_dict(cfg)), sort_keys=False), flush=True)
 
 

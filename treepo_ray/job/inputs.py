@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treepo_ray.config import UserError
+from treepo_ray.config import UserError, origin_of
 from treepo_ray.data.datasets import (SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, Splits, file_exists,
                                      encode_records, read_records)
 from treepo_ray.data.prompts import Prompt
@@ -60,6 +60,16 @@ def load_prompts(cfg: TrainConfig, model_path: str, tokenizer, splits: Splits | 
     """The training and held-out prompts (of `splits`, else read now), each checked against the model's context
     (less the response budget)."""
     budget = PromptBudget(model_context_length(model_path), cfg.sampler_config.response_limit())
+    limit = budget.context_limit()
+    if limit is not None and limit < 1:  # said with the keys that set the response budget and where they came from
+        key = f"rollout.{cfg.algo.spec.sampler}"
+        origins = getattr(cfg, "_key_origins", {})
+        said = "; ".join(f"{key}.{k} = {getattr(cfg.sampler_config, k)} ({origin_of(f'{key}.{k}', origins)})"
+                         for k in ("max_response_len", "max_depth", "segment_len", "step_len")
+                         if hasattr(cfg.sampler_config, k))
+        raise UserError(f"model.path's context of {budget.context_tokens} tokens leaves no room for a prompt after "
+                        f"the {budget.response_tokens}-token response budget [{said}]; set {key}.max_response_len "
+                        f"below {budget.context_tokens}")
     return encode_records(cfg.data, read_prompts(cfg) if splits is None else splits, tokenizer, budget)
 
 

@@ -41,7 +41,13 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.reward_fn_key": VerlKey(("data.reward_fn_key",), "the row's field that picks the reward function", "same"),
     A + "model.path": VerlKey(("model.path",), "the policy model", "a local directory or a hub id already in the "
                               "local Hugging Face cache (no download at run time); empty = the tiny demo model"),
-    A + "model.lora_rank": VerlKey((), "LoRA adapters", "full-parameter training only (no LoRA)"),
+    A + "model.lora_rank": VerlKey(("model.lora_rank",), "LoRA adapter rank (0 = full fine-tuning)",
+                                   "same (peft); the learner trains only the adapters, the engines load the merged "
+                                   "weights, checkpoints hold the adapter (learner.save_merged: the merged model too)"),
+    A + "model.lora_alpha": VerlKey(("model.lora_alpha",), "LoRA scale: updates times lora_alpha / lora_rank",
+                                    "same"),
+    A + "model.target_modules": VerlKey(("model.target_modules",), "modules that get LoRA adapters",
+                                        "same: all-linear or a list of module names", "all-linear"),
     A + "model.enable_gradient_checkpointing": VerlKey(("learner.gradient_checkpointing",),
                                                        "recompute activations in backward", "same"),
     A + "actor.optim.lr": VerlKey(("learner.lr",), "AdamW learning rate", "same"),

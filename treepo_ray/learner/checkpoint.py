@@ -3,11 +3,14 @@
 A checkpoint folder holds the model as a Hugging Face directory (weights + tokenizer, loadable by path), the
 optimizer state (`optimizer.pt`, or DeepSpeed's per-rank partitions under `deepspeed/`), `learner_state.json`
 (optimizer steps, world size, optimizer-state format, learner config), one `rng_rank<r>.json` per rank, and last the
-completion marker `treepo_trainer_state.json` (the caller's trainer state). The marker's name is the project's own:
-a run directory may also hold other tools' `checkpoint-N` folders (the Hugging Face Trainer's carry its own
-`trainer_state.json`), which are never listed, resumed or pruned here. Checkpoints written before the marker was
-renamed carry `trainer_state.json`; that counts as the marker only beside `learner_state.json`, a file no other tool
-writes.
+completion marker `treepo_trainer_state.json` (the caller's trainer state). With LoRA (learner.lora_rank > 0) the
+model is the adapter instead, as peft's save_pretrained writes it (`adapter_model.safetensors`,
+`adapter_config.json`: PeftModel.from_pretrained loads it on the base model), and with learner.save_merged also the
+merged model under `merged/`; resuming loads the adapter onto the base model the learner was built from. The
+marker's name is the project's own: a run directory may also hold other tools' `checkpoint-N` folders (the Hugging
+Face Trainer's carry its own `trainer_state.json`), which are never listed, resumed or pruned here. Checkpoints
+written before the marker was renamed carry `trainer_state.json`; that counts as the marker only beside
+`learner_state.json`, a file no other tool writes.
 
 Run directories live in run storage (treepo_ray/storage.py: a local or shared path, or an object store URI), so a
 learner rank on any node writes where the driver lists, prunes and restores. A run directory holds
@@ -37,6 +40,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from treepo_ray import storage
 from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.learner.export import (adapter_state_dict, from_adapter_state_dict, lora_layers, merged_state_dict,
+                                       peft_lora_config)
 from treepo_ray.learner.strategy import FULL_OPTIMIZER_STATE, Strategy
 
 PREFIX = "checkpoint-"
@@ -45,6 +50,8 @@ LEGACY_MARKER = "trainer_state.json"  # the marker before 12/2026; also the Hugg
 LEARNER_STATE = "learner_state.json"
 OPTIMIZER_FILE = "optimizer.pt"  # full (unsharded) AdamW state, keyed by parameter name (tensors only)
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"  # DeepSpeed's own per-rank optimizer partitions
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # LoRA: peft's adapter files
+MERGED_DIR = "merged"  # LoRA with learner.save_merged: the merged model, a Hugging Face directory
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -87,6 +94,8 @@ def unreadable_reason(location: str | Path) -> str | None:
         names = set(storage.list_names(location))
         if state.get("optimizer_format", FULL_OPTIMIZER_STATE) != FULL_OPTIMIZER_STATE:
             needs = [DEEPSPEED_DIR]
+        elif state.get("lora"):
+            needs = [ADAPTER_FILE, ADAPTER_CONFIG, OPTIMIZER_FILE]
         else:
             sharded = "model.safetensors.index.json" in names
             needs = ["model.safetensors.index.json" if sharded else "model.safetensors", "config.json", OPTIMIZER_FILE]
@@ -159,6 +168,7 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
         raise ValueError(f"trainer_state is not JSON-serialisable: {err}") from err
     full_optimizer = strategy.optimizer_format == FULL_OPTIMIZER_STATE
     weights = strategy.export_weights()  # collective on FSDP2
+    layers = lora_layers(model)
     optim = strategy.full_optimizer_state() if full_optimizer else None
     # A file system: one staging folder beside `final` that every rank writes into (through the shared mount).
     # An object store: a local folder per rank, each uploading its own files.
@@ -170,13 +180,27 @@ def write_checkpoint(final: str | Path, trainer_state: dict, *, strategy: Strate
         else:
             storage.delete_dir(final)  # its marker first of all: the folder stops counting before it changes
         staging.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(staging, state_dict=weights)
+        if layers:  # LoRA: the adapter as peft's save_pretrained writes it; the base model stays where it was read
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in adapter_state_dict(weights).items()}, staging / ADAPTER_FILE,
+                      metadata={"format": "pt"})
+            base = getattr(model, "name_or_path", None) or None
+            peft_lora_config(config.lora_rank, config.lora_alpha, config.peft_target_modules,
+                             base).save_pretrained(staging)
+            if config.save_merged:
+                model.save_pretrained(staging / MERGED_DIR, state_dict=merged_state_dict(weights, layers))
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(staging / MERGED_DIR)
+        else:
+            model.save_pretrained(staging, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if optim is not None:
             torch.save(optim, staging / OPTIMIZER_FILE)
         state = {"optimizer_steps": optimizer_steps, "world_size": strategy.world_size,
-                 "optimizer_format": strategy.optimizer_format, "learner_config": dataclasses.asdict(config)}
+                 "optimizer_format": strategy.optimizer_format, "lora": bool(layers),
+                 "learner_config": dataclasses.asdict(config)}
         (staging / LEARNER_STATE).write_text(json.dumps(state, indent=2))
 
     def write_rng() -> None:
@@ -217,6 +241,11 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
         raise ValueError(f"{directory} holds {fmt!r} optimizer state from world size {saved_ws}; this learner "
                          f"(strategy {config.strategy!r}, world size {world_size}) needs {want!r}"
                          + (" at the same world size" if partitioned else ""))
+    lora = bool(learner_state.get("lora"))
+    if lora != config.lora:
+        raise ValueError(f"{directory} holds {'a LoRA adapter' if lora else 'a fully fine-tuned model'}; this "
+                         f"learner has lora_rank = {config.lora_rank}: resume with the same model.lora_rank (or "
+                         "load the merged model as model.path)")
     rng_name = f"rng_rank{strategy.rank}.json"
     # From an object store each rank fetches only what it reads: rank 0 the model and optimizer.
     wanted = [DEEPSPEED_DIR, rng_name] if partitioned else (None if strategy.rank == 0 else [rng_name])
@@ -227,8 +256,20 @@ def read_checkpoint(directory: str | Path, *, strategy: Strategy, config: Learne
         else:
             weights: dict[str, torch.Tensor] = {}
             optim: dict = {}
+            if lora:  # the base weights as loaded (gathered: collective on FSDP2), the adapter from the checkpoint
+                weights = strategy.export_weights()
             if strategy.rank == 0:
-                weights = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).state_dict()
+                if lora:
+                    from safetensors.torch import load_file
+
+                    adapter = from_adapter_state_dict(load_file(local / ADAPTER_FILE))
+                    unknown = sorted(set(adapter) - set(weights))
+                    if unknown:
+                        raise ValueError(f"{directory}: adapter tensors {unknown[:3]} do not fit this model's LoRA "
+                                         f"layers (lora_rank / target_modules differ?)")
+                    weights.update(adapter)
+                else:
+                    weights = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).state_dict()
                 optim = torch.load(local / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
             strategy.load_full_state(weights, optim)
         steps = int(learner_state.get("optimizer_steps", learner_state.get("version", 0)))  # "version" before 12/2026

@@ -81,6 +81,18 @@ class LearnerConfig:
     training mode, so the model's configured dropout is then active in training passes."""
     seed: int = 0
     """Seed of the mini-batch shuffle and the torch RNG."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank (peft) on `target_modules`: only the adapters are trained (and in the optimizer),
+    the engines get the merged weights W + B @ A * lora_alpha / lora_rank, checkpoints hold the adapter. 0 = off
+    (full fine-tuning). Set by the job from model.lora_rank (the key users set, as in verl)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator (the update is scaled by lora_alpha / lora_rank); a job sets it from model.lora_alpha."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters: [all-linear] (every linear layer but the output layer, verl's default) or module
+    names (e.g. [q_proj, v_proj], or q_proj,v_proj on the command line); a job sets it from model.target_modules."""
+    save_merged: bool = False
+    """With LoRA: each checkpoint also holds the merged model (a Hugging Face directory under merged/), besides the
+    adapter."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -109,6 +121,15 @@ class LearnerConfig:
             raise ValueError(f"dtype = {self.dtype!r}; choose one of {DTYPES}")
         if not self.temperature > 0:
             raise ValueError(f"temperature = {self.temperature}; it must be > 0")
+        if self.lora_rank < 0 or not self.lora_alpha > 0:
+            raise ValueError(f"lora_rank = {self.lora_rank}, lora_alpha = {self.lora_alpha}; lora_rank must be >= 0 "
+                             "(0 = off) and lora_alpha > 0")
+        if isinstance(self.target_modules, str):
+            self.target_modules = [m for m in self.target_modules.split(",") if m]
+        if not self.target_modules or ("all-linear" in self.target_modules and len(self.target_modules) > 1):
+            raise ValueError(f"target_modules = {self.target_modules!r}; [all-linear] or a list of module names")
+        if self.lora_rank > 0 and self.strategy == "deepspeed":
+            raise ValueError("lora_rank > 0 is not supported with strategy = 'deepspeed'; use fsdp2")
         if self.use_ref_model is False and self.loss.kl_coef > 0:
             raise ValueError(f"use_ref_model = False but loss.kl_coef = {self.loss.kl_coef} needs a reference model")
 
@@ -118,6 +139,16 @@ class LearnerConfig:
         unless one epoch of one mini-batch makes them the training pass's own."""
         one_pass = self.ppo_epochs == 1 and self.mini_batches == 1
         return self.off_policy in ("recompute", "decoupled") and not one_pass
+
+    @property
+    def lora(self) -> bool:
+        """Whether LoRA adapters are trained instead of the whole model."""
+        return self.lora_rank > 0
+
+    @property
+    def peft_target_modules(self) -> str | list[str]:
+        """target_modules as peft's LoraConfig takes them."""
+        return "all-linear" if list(self.target_modules) == ["all-linear"] else list(self.target_modules)
 
     @property
     def needs_ref_model(self) -> bool:

@@ -9,6 +9,11 @@ strategy. Where FSDP2, DeepSpeed and one process differ is strategy.py; how a ch
 checkpoint.py; how trees become forward passes and per-token loss weights, packing.py; the attention over packed
 trees, tree_attention.py; log-probs without full-vocabulary logits, logprobs.py.
 
+LoRA (LearnerConfig.lora_rank > 0): peft's LoRA layers are injected into the HF model in place (_add_adapters), so
+the model is still the HF model that tree attention, the log-prob head and FSDP2's per-layer sharding expect; only
+the adapters require gradients and sit in the optimizer. Exports (export_weights, export.py's export_packed for the
+engines) are the merged weights under the base model's names; checkpoints hold the adapter (checkpoint.py).
+
 One step (train_step): the trees' old log-probs are recomputed first when the PPO ratio needs them at the
 current weights and the training pass cannot give them itself (learner.off_policy; LearnerConfig.recompute_pass),
 then ppo_epochs x mini_batches optimizer steps, each accumulating micro-batches whose loss terms are already
@@ -31,6 +36,7 @@ from treepo_ray.learner import packing
 from treepo_ray.learner.batch import TrainSample, TrainTree, as_trees
 from treepo_ray.learner.checkpoint import read_checkpoint, write_checkpoint
 from treepo_ray.learner.config import LearnerConfig
+from treepo_ray.learner.export import lora_layers, merged_state_dict, peft_lora_config
 from treepo_ray.learner.schedule import lr_at, set_lr
 from treepo_ray.learner.logprobs import LogprobHead, install_logprob_head
 from treepo_ray.learner.strategy import make_strategy
@@ -105,8 +111,9 @@ class Learner:
 
         self.model = self._load_model(trainable=True)
         self.ref_model = self._load_model(trainable=False) if cfg.needs_ref_model else None
-        self.optimizer = self.strategy.wrap(self.model,
-                                            torch.optim.AdamW(self.model.parameters(), **self._optimizer_hparams()))
+        # With LoRA only the adapters require gradients: only they are in the optimizer.
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self.strategy.wrap(self.model, torch.optim.AdamW(trained, **self._optimizer_hparams()))
         self.optimizer_steps = 0
         """Optimizer steps taken so far (ppo_epochs x mini_batches per training step; the policy version, steps
         trained, is the runtime's: runtime/loop.py)."""
@@ -128,6 +135,8 @@ class Learner:
         # Master weights in float32; a lower compute dtype is applied by the strategy (autocast or its own). The
         # strategy loads, moves and shards (FSDP2: on the meta device, filled from rank 0's copy).
         def prepare(model: PreTrainedModel) -> None:
+            if trainable and self.cfg.lora:
+                self._add_adapters(model)
             vocab = self._tokenizer_vocab if self._tokenizer_vocab and self._tokenizer_vocab < model.config.vocab_size \
                 else None
             prepare_model(model, self.cfg.logprob_chunk, vocab)
@@ -135,6 +144,8 @@ class Learner:
                 # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable.
                 enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
                 enable()
+                if self.cfg.lora:  # frozen embeddings: checkpointed blocks still need inputs that require grad
+                    model.enable_input_require_grads()
             if not trainable:
                 model.requires_grad_(False)
 
@@ -143,6 +154,20 @@ class Learner:
         # Exception: HF runs gradient checkpointing only in training mode (the config's dropout then applies).
         model.train(trainable and self.cfg.gradient_checkpointing)
         return model
+
+    def _add_adapters(self, model: PreTrainedModel) -> None:
+        """peft's LoRA layers injected in place (the model stays the HF model, so tree attention, the log-prob head
+        and FSDP2's per-layer sharding see the same module tree); every base weight frozen. A's initialisation is
+        seeded alike on every rank (FSDP2 takes rank 0's anyway)."""
+        from peft import inject_adapter_in_model
+
+        cfg = self.cfg
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            inject_adapter_in_model(peft_lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.peft_target_modules,
+                                                     str(self.model_path)), model)
+        for name, param in model.named_parameters():
+            param.requires_grad_(".lora_A." in name or ".lora_B." in name)
 
     def close(self) -> None:
         """Release the process group this Learner created (if any)."""
@@ -371,8 +396,13 @@ class Learner:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) float32 CPU weights under HF parameter names; with world_size > 1 only rank 0 gets
-        them ({} elsewhere). Copies: training on does not change what was exported. Call on all ranks."""
-        return self.strategy.export_weights()
+        them ({} elsewhere). Copies: training on does not change what was exported. With LoRA the merged weights
+        (W + B @ A * scaling under the base model's names; the training copy unchanged). Call on all ranks."""
+        return merged_state_dict(self.strategy.export_weights(), lora_layers(self.model))
+
+    def trainable_parameters(self) -> int:
+        """Parameters the optimizer trains (with LoRA the adapters' alone), on this rank."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def save_checkpoint(self, directory: str | Path, trainer_state: dict) -> str:
         """Write HF weights + tokenizer, optimizer state, learner and trainer state, and every rank's RNG state to
