@@ -242,7 +242,7 @@ class ModelConfig:
     a Hugging Face directory under model.cache_dir; empty = the tiny base model of the synthetic task (built once,
     cached)."""
     cache_dir: str = ".cache/treepo-ray"
-    """Where the tiny base model and the synthetic data are cached."""
+    """Where the tiny base model, the synthetic data and GGUF files converted to Hugging Face directories are cached."""
     engine: str = "hf"
     """Generation backend (treepo_ray.engines.make_engine): 'hf' or 'vllm'."""
     engine_kwargs: dict = field(default_factory=dict)

@@ -33,7 +33,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                 if not file_exists(f):  # a local path or an s3:// / gs:// URI
                     raise UserError(f"{key}: {str(f)!r} does not exist")
     if cfg.model.path:
-        resolve_model_path(cfg.model.path)
+        resolve_model_path(cfg.model.path, model_cache=cfg.model.cache_dir)
     if cfg.log.tensorboard:
         check_tensorboard()
 
@@ -42,7 +42,7 @@ def resolve_model(cfg: TrainConfig) -> str:
     """The policy's local directory: model.path (a directory, `~` expanded, or a hub id in the local Hugging Face
     cache), or the tiny base model (built and cached on first use)."""
     if cfg.model.path:
-        return resolve_model_path(cfg.model.path)
+        return resolve_model_path(cfg.model.path, model_cache=cfg.model.cache_dir)
     from treepo_ray.data.pretrain import base_model_config, prepare_base_model
 
     return str(prepare_base_model(cfg.model.cache_dir, seed=cfg.data.seed, cfg=base_model_config(cfg.data.name)))
