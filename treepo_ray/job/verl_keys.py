@@ -101,7 +101,8 @@ VERL_KEYS: dict[str, VerlKey] = {
         "passed to vLLM's EngineArgs; engines: runtime.num_engines", default="vLLM's (1)"),
     A + "rollout.gpu_memory_utilization": VerlKey(
         ("model.engine_kwargs.gpu_memory_utilization",), "vLLM's share of GPU memory",
-        "engines and learner hold GPUs of their own (no colocation), so this is of the engine's GPU",
+        ("of the engine's GPU; where the learner shares it (fractional runtime.engine_gpus / learner_gpus, as in "
+        "gsm8k_1gpu) leave the learner room"),
         default="vLLM's (0.9)"),
     A + "rollout.val_kwargs.n": VerlKey(("trainer.eval_samples",), "answers per held-out problem", "pass@1 is "
                                         "their mean"),
