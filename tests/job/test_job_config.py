@@ -218,3 +218,5 @@ def test_lora_is_set_in_the_model_section_and_the_learner_follows_it():
     assert cfg.learner.lora and not load_config(None, []).learner.lora
     with pytest.raises(UserError, match="learner.lora_rank is set from model.lora_rank"):
         load_config(None, ["learner.lora_rank=8"])
+    # a saved config holds both, equal: it loads again
+    assert load_config(None, ["model.lora_rank=8", "learner.lora_rank=8"]).learner.lora_rank == 8

@@ -65,7 +65,7 @@ for k, run_dir in enumerate(run_dirs):
     mine.write(json.dumps({"round": k, "result": "won"}) + "\n")
     logger = RunLogger(LogMirror(run_dir, str(Path(results) / me)).local, LogConfig(wandb=False), {}, name=me)
     logger.log(1, {"pid": os.getpid()})
-    logger.save_trees(1, [{"by": me}])
+    logger.save_trees(1, [{"by": me, "parent": [-1], "trajectories": [], "reward": [None], "finish": [""]}])
     wait_for(k, "result")
     logger.log(2, {"pid": os.getpid()})
     lock.release()
@@ -153,7 +153,7 @@ def test_two_runs_started_on_one_run_directory_at_once(tmp_path):
         metrics = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
         assert metrics == [{"step": 1, "pid": outcome[winner]["pid"]}, {"step": 2, "pid": outcome[winner]["pid"]}]
         trees = [json.loads(line) for line in Path(run_dir, "trees.jsonl").read_text().splitlines()]
-        assert trees == [{"step": 1, "by": winner}]
+        assert [(t["step"], t["by"]) for t in trees] == [(1, winner)]
         (lock,) = [name for name in files if name.startswith("run.lock")]  # older generations deleted
         assert json.loads(Path(run_dir, lock).read_text())["run"] == winner
 

@@ -5,6 +5,7 @@ one bundle per GPU on one node, as vLLM's Ray executor uses it, released when th
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 
@@ -33,6 +34,11 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below 
 @pytest.fixture(scope="module")
 def two_nodes():
     """Head: 1 GPU for a learner, 2 CPUs. Second node: 2 learner GPUs and 2 generator GPUs, 4 CPUs."""
+    # The GPUs are advertised, not real: Ray is told not to set CUDA_VISIBLE_DEVICES in its workers (they inherit
+    # this variable from the nodes started here), so the ranks' CUDA check (a GPU torch cannot use stops a rank;
+    # tests/runtime/test_runtime_gpu_assigned.py) lets them start on the CPU, while ray.get_gpu_ids() still says
+    # which GPUs each was given.
+    os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=2, num_gpus=1, resources={"learner_gpu": 1}, include_dashboard=False))
     node = cluster.add_node(num_cpus=4, num_gpus=4, resources={"learner_gpu": 2, "generator_gpu": 2})
@@ -40,6 +46,7 @@ def two_nodes():
     yield node.node_id
     ray.shutdown()
     cluster.shutdown()
+    del os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
 
 
 def _where(_actor) -> tuple[str, list]:

@@ -500,9 +500,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     # LoRA is set where verl users set it (model.lora_*); the learner's copy of it always follows.
     lora = {"lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
             "target_modules": ",".join(cfg.model.target_modules)}
-    own = [a.partition("=")[0] for a in args if a.partition("=")[0] in {f"learner.{k}" for k in lora}]
-    if own:
-        raise UserError(f"{own[0]} is set from model.{own[0].split('.')[1]} (verl's actor_rollout_ref.model.*): "
+    given = {a.partition("=")[0] for a in args}
+    # A saved config (config.yaml, a checkpoint's) holds the learner's copy too, equal to the model's.
+    differ = [k for k in lora if f"learner.{k}" in given and getattr(cfg.learner, k) != getattr(cfg.model, k)]
+    if differ:
+        raise UserError(f"learner.{differ[0]} is set from model.{differ[0]} (verl's actor_rollout_ref.model.*): "
                         f"set that key instead")
     with config_io.key_origins(origins):
         cfg = config_io.load(cls, None, preset + args + [f"learner.{k}={v}" for k, v in lora.items()])
