@@ -60,9 +60,11 @@ def test_train_survives_engine_chaos_and_a_lost_learner(ray_local, tiny, tmp_pat
 
 
 def learner_pids() -> list[int]:
-    """The processes of live learner ranks (Ray titles an actor's process `ray::<class>`)."""
+    """The processes of this Ray's live learner ranks (Ray titles an actor's process `ray::<class>`; its parent is
+    the raylet of its session: another Ray on the machine has learners too)."""
+    session = ray._private.worker._global_node.get_session_dir_path()
     return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(
-        "ray::LearnerActor")]
+        "ray::LearnerActor") and session in " ".join(p.parent().cmdline())]
 
 
 def test_a_learner_that_stops_answering_is_rebuilt_from_its_checkpoint_within_the_heartbeat(ray_local, tiny,
