@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hf_testlib import hf_logprobs
 
 from treepo_ray.engines.base import SamplingParams, SegmentResult
-from treepo_ray.engines.driver import StreamLoop, TreeTracker, grow
+from treepo_ray.engines.driver import GrowLoop, StreamLoop, TreeTracker, grow
 from treepo_ray.engines.hf import HFEngine
 from treepo_ray.tree import (
     Segment,
@@ -151,6 +153,48 @@ def test_growth_is_reproducible_and_sequential_and_treerpo_work_too(model_dir):
     assert engine.stats()["cache_entries"] == 0
 
 
+@pytest.mark.slow
+def test_each_tree_counts_its_own_forward_tokens_while_batches_overlap(model_dir):
+    """Two batches grow on one engine at once and new weights arrive midway (runtime.max_staleness 1): each tree's
+    meta["forward_tokens"] is exactly what a perfect cache runs for it, so each batch's tree/forward_per_unique is its
+    own (the engine's counter over a batch's lifetime held the other batch's work: 1.40 in the SmolLM2 job). A tree
+    whose prompt another tree had computed counts it in full; a fallback at the root after the weight load continues
+    from the tree's prompt entry instead of recomputing the prompt (it did: +P-1 tokens per such fallback)."""
+    from treepo_ray.runtime.batches import forward_metrics
+
+    cfg = TreePOConfig(width=8, max_depth=4, segment_len=5, repetition_substr_len=0, fallback_policy="random")
+
+    def grower(i: int, prompt: list[int], query_id: str) -> TreePOGrower:
+        return TreePOGrower(Tree(list(prompt), query_id=query_id), cfg, eos_token_id=-1, decode=decode, seed=i)
+
+    engine = HFEngine(model_dir, num_threads=1, eos_token_id=list(range(3, 40)))  # frequent EOS: fallbacks
+    first = [grower(i, p, f"a{i}") for i, p in enumerate(PROMPTS)]
+    loop = GrowLoop(first, engine, SamplingParams(temperature=1.0), stop_at_eos=True)
+    loop.step()
+    # The next batch starts while the first grows; its first tree has the prompt of the first batch's first tree.
+    second = [grower(7, PROMPTS[0], "b0"), grower(8, PROMPTS[1][1:], "b1")]
+    loop.add(second)
+    loop.step()
+    engine.load_weights({n: p.detach().clone() for n, p in engine.model.named_parameters()}, 1)
+    while loop.step():
+        pass
+    trees = [g.tree for g in first + second]
+    assert all(len(t.trajectories) == 8 for t in trees)
+    # Root fallbacks after the load (more children of the root than its first ask's), in both batches.
+    root_fallbacks = [g.tree.query_id for g in first + second if len(g.tree.children(0)) > g.init_divergence]
+    assert root_fallbacks == ["a0", "b1"]
+    for g in first + second:
+        assert g.tree.meta["forward_tokens"] == expected_forward_tokens([g]), g.tree.query_id
+    for batch in (first, second):
+        m = forward_metrics([g.tree for g in batch])
+        assert m["tree/forward_tokens"] == expected_forward_tokens(batch)
+        assert m["tree/forward_per_unique"] <= 1.0
+    # b0's prompt came from a0's cache: the engine ran it once, the trees count it once each.
+    stats = engine.stats()
+    assert stats["recomputed_tokens"] == 0
+    assert stats["forward_tokens"] == expected_forward_tokens(first + second) - (len(PROMPTS[0]) - 1)
+    assert stats["cache_entries"] == 0
+    assert math.isnan(forward_metrics([Tree([1, 2])])["tree/forward_per_unique"])  # an engine that does not count
 
 
 def paths(grower) -> list[tuple[int, ...]]:

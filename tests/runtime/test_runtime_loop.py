@@ -34,10 +34,11 @@ def test_loop_overlaps_within_the_staleness_bound_and_dapo_refills(ray_local, ti
         assert all(0 <= m["perf/staleness"] <= 1 for _, m in rows)
         assert all(m["actor/samples"] == 16 and m["actor/skipped"] == 0 for _, m in rows)
         assert [m["perf/policy_version"] for _, m in rows] == [1, 2, 3, 4]
-        # Engine figures are counted between batch completions (batches overlap, so the engines' work cannot be
-        # told apart by batch): a batch done just after the last one may see none, but the run's total is all of it.
-        assert all(m["tree/forward_tokens"] >= 0 for _, m in rows)
-        assert sum(m["tree/forward_tokens"] for _, m in rows) > 0
+        # Forward tokens are counted per request, so per tree: batches that grow at the same time (and weights
+        # loaded while one grows) each get their own figure, and no tree recomputes what its cache holds.
+        assert all(m["tree/forward_tokens"] > 0 for _, m in rows)
+        ratios = [m["tree/forward_per_unique"] for _, m in rows]
+        assert all(r <= 1.02 for r in ratios), ratios
         assert [b.data_position for b, _ in rows] == [4, 8, 12, 16]
         # Batch 1 started growing as soon as batch 0 had taken its prompts, not when batch 0 was done.
         assert rows[1][0].grown[0] < rows[0][0].grown[1]

@@ -58,6 +58,17 @@ class SegmentResult:
     children: list[Segment]
     weights_version: int = 0
     """Version of the weights that generated these tokens."""
+    forward_tokens: int | None = None
+    """Positions the engine ran through the model for this request alone: the part of its prefix not taken from a
+    cache (with a cached parent, just the parent's last token, which was sampled but never fed), then every child's
+    sampled tokens but its last. None where the engine cannot tell (the runtime then has no per-tree figure)."""
+    prefix_key: str | None = None
+    """Cache key of the node the children continue (the request's `parent_key`, or, for a prefix it named by no key
+    such as a prompt, the entry the engine made or found for it), so that a later request from the same node (a
+    fallback at the root) continues from that cache instead of recomputing; None = not cached by key."""
+    cached_tokens: int = 0
+    """Positions of its prefix taken from a cache instead of being run (what the parent's key or a prompt already
+    computed, possibly by another tree or an earlier step)."""
 
 
 class Engine(Protocol):

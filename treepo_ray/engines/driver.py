@@ -25,6 +25,8 @@ class _Tracked:
     """Tree node -> the engine's cache key for it."""
     open: int = 0
     """Requests sent for this grower and not yet delivered."""
+    prompt_counted: bool = False
+    """A result of an ask at the root has been counted in the tree's `forward_tokens` (its prompt with it)."""
 
 
 class TreeTracker:
@@ -79,9 +81,12 @@ class TreeTracker:
         for node, seg in zip(nodes, result.children):
             if seg.cache_key is not None:
                 t.keys[node] = seg.cache_key
+        if result.prefix_key is not None:  # the root's (prompt's) entry: a fallback at the root continues from it
+            t.keys.setdefault(ask.node, result.prefix_key)
         # The oldest policy that wrote any of the tree's tokens (what a staleness check must look at).
         meta = t.grower.tree.meta
         meta["weights_version"] = min(meta.get("weights_version", result.weights_version), result.weights_version)
+        count_forward(t, ask.node, result)
         return t.grower, nodes
 
     def release(self, grower: Grower, abandon: bool = False) -> list[str]:
@@ -99,6 +104,23 @@ class TreeTracker:
 
     def open_requests(self) -> int:
         return len(self._open)
+
+
+def count_forward(t: _Tracked, node: int, result: SegmentResult) -> None:
+    """Add what the engine ran for `result` to its tree's meta["forward_tokens"]: the positions it fed for that
+    request (SegmentResult.forward_tokens), and, for the tree's first ask at the root only, also the prompt positions
+    it took from a cache. So a tree's prompt counts in full once whoever computed it (another tree, an earlier step:
+    such a hit must not make a step look cheaper), a fallback ask at the root that reuses the prompt this tree
+    computed counts only what it fed, and a continuation that reuses its own parent's cache counts only what it fed.
+    An engine that does not count per request (forward_tokens None) leaves the tree without the key."""
+    if result.forward_tokens is None:
+        return
+    meta = t.grower.tree.meta
+    fed = result.forward_tokens
+    if node == 0 and not t.prompt_counted:
+        fed += result.cached_tokens
+        t.prompt_counted = True
+    meta["forward_tokens"] = meta.get("forward_tokens", 0) + fed
 
 
 Progress = Callable[[Grower], Any]

@@ -320,6 +320,13 @@ class VLLMEngine:
                 continue
             req = self._pending.pop(out.request_id)
             children = [self._segment(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            # This request's own figure (SegmentResult.forward_tokens): its prefix less what vLLM's prefix cache
+            # served (`num_cached_tokens`, the prefix's cached part), counted once for its children, plus every
+            # sampled token but each child's last. vLLM runs each of n children as its own sequence; a child whose
+            # prefix was not yet cached when it was scheduled computes it again, which this figure does not see
+            # (the engine-wide `prefill_tokens` does).
+            cached = min(int(out.num_cached_tokens or 0), len(req.prefix_ids))
+            fed = len(req.prefix_ids) - cached + sum(max(len(c.token_ids) - 1, 0) for c in children)
             self._counters.sequences += len(children)
             self._counters.open_sequences -= len(children)
             if req.params.temperature == 0 and len(children) == 1:
@@ -329,7 +336,8 @@ class VLLMEngine:
             self._counters.requests += 1
             self._counters.segments += len(children)
             self._counters.cache_hits += int((out.num_cached_tokens or 0) > 0)
-            results.append(SegmentResult(req.request_id, children, weights_version=self._oldest_version(out)))
+            results.append(SegmentResult(req.request_id, children, weights_version=self._oldest_version(out),
+                                         forward_tokens=fed, cached_tokens=cached))
         self._counters.time_step_s += time.perf_counter() - start
         return results
 

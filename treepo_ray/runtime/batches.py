@@ -6,8 +6,9 @@
               at most algo.max_extra_rounds more rounds; an over-full batch keeps a seeded random subset
     credit    the algorithm's (algo/<name>.py): tree weights, then each tree's credit; learner/batch.py's
               `train_trees` makes the learner's TrainTrees, which carry the engines' sampled log-probs
-    metrics   the batch's trees, advantages, verification, the algorithm's own phases, and what the engines did
-              since the previous batch was done
+    metrics   the batch's trees, advantages, verification, the algorithm's own phases, the forward tokens its
+              trees cost the engines (counted per request, so per tree), and the engines' busy time since the
+              previous batch was done
 
 A batch travels as a RolloutBatch: metadata plus an ObjectRef of its TrainTrees (the loop's queue never carries
 tensors or trees by value), and the trees it was made from, which a checkpoint keeps while it waits in the queue.
@@ -63,6 +64,36 @@ class RolloutBatch:
     def fetch(self) -> list:
         """The batch's TrainTrees, from the object store."""
         return ray.get(self.samples)
+
+
+def forward_tokens(tree: Tree) -> int | None:
+    """The forward tokens the engines ran to grow `tree` (engines/driver.py `count_forward`), or None where its
+    engine does not count per request."""
+    value = tree.meta.get("forward_tokens")
+    return None if value is None else int(value)
+
+
+def forward_metrics(grown: list[Tree]) -> dict:
+    """tree/forward_tokens and tree/forward_per_unique of a batch's grown trees (every round's, dropped ones too).
+
+    tree/forward_tokens: summed over the batch's trees, the positions the engines ran through the model for that
+    tree's own segment requests: each request's prefix less what it took from a cache, then every child's sampled
+    tokens but its last (SegmentResult.forward_tokens). A tree's prompt counts in full once, even when its first
+    request found it cached (by another tree, or an earlier step): a cache filled outside the tree does not make
+    the figure smaller. A continuation from the tree's own cached node counts only the parent's last token; anything
+    the engine recomputed (an evicted node, a prompt fed again) counts as often as it ran. Other batches growing at
+    the same time and evaluations do not count here; neither does CATPO's healing (its critique and regenerated
+    branch are run outside the tree's requests, yet the grafted nodes count in tree/unique_tokens). Trajectories left
+    out after a failed verification still count: they were run, though they leave tree/unique_tokens.
+    tree/forward_per_unique: that over tree/unique_tokens (the prompt once plus every segment once): 1.0 minus
+    about one token per leaf for a perfect tree cache; more means recomputation.
+    Both NaN where an engine does not count per request."""
+    counts = [forward_tokens(t) for t in grown]
+    if not grown or any(c is None for c in counts):
+        return {"tree/forward_tokens": math.nan, "tree/forward_per_unique": math.nan}
+    fwd = sum(counts)
+    unique = sum(t.unique_tokens() for t in grown)
+    return {"tree/forward_tokens": float(fwd), "tree/forward_per_unique": fwd / unique if unique else math.nan}
 
 
 class BatchBuilder:
@@ -147,15 +178,12 @@ class BatchBuilder:
         metrics.update(advantage_metrics(kept, [c.trajectories for c in credit], weights))
         metrics.update(verification_metrics(grown, cfg.runtime.faults.max_verify_failed_share))
         metrics.update(algo.spec.metrics(grown, weights))
-        # Engine figures since the previous batch was done: batches may grow at the same time, so what the engines
-        # ran cannot be told apart by batch; summed over a run, each figure is the run's total.
+        metrics.update(forward_metrics(grown))
+        # Engine time since the previous batch was done (the scaling policy's busy figure): batches may grow at the
+        # same time, so this cannot be told apart by batch; summed over a run, it is the run's total.
         since, _ = self.engine_figures()
-        fwd = sum(c.get("forward_tokens", 0) for c in since.values())
-        unique = metrics.get("tree/unique_tokens", 0.0)
         steps = max(sum(c.get("steps", 0) for c in since.values()), 1)
         metrics.update({
-            "tree/forward_tokens": float(fwd),
-            "tree/forward_per_unique": fwd / unique if unique else math.nan,
             "perf/engine_busy_s": float(sum(v for c in since.values() for k, v in c.items() if k.startswith("time_"))),
             "perf/engine_rows": sum(c.get("step_sequences", 0) for c in since.values()) / steps,
         })

@@ -9,6 +9,10 @@
 - A request naming a cache entry (cache.py) copies the chain into its leader row and feeds only the parent's last
   token, which was sampled but never run through the model; a request naming an evicted key recomputes the
   missing part from `prefix_ids`. Every finished child leaves its segment's KV behind as a new entry.
+- A result says what ran for its request alone (`forward_tokens`: the positions fed for its leader and child rows)
+  and names the entry its children chain to (`prefix_key`), a prompt's entry too: a later request from the root (a
+  TreePO fallback) names it and continues from it, even after new weights stopped new prompts from reusing
+  cached prompts (it recomputed the whole prompt before).
 - Child j of a request uses seed + j (sampler.py), so its random draws never depend on the rest of the batch;
   its logits do in their last bits (the batch's shape changes how the kernels sum: log-probs moved by up to
   4.5e-6 between a request run alone and beside 39 others), so a token drawn within that distance of a CDF
@@ -50,6 +54,8 @@ class _Req:
     """What its sampling parameters ask of the sampler (sampler.KINDS)."""
     children: list[Segment | None] = field(default_factory=list)
     left: int = 0
+    fed: int = 0
+    """Positions run through the model for this request's rows (its leader row and its children)."""
 
 
 @dataclass
@@ -396,6 +402,8 @@ class HFEngine:
             logits.append(self.decoder.forward(self._kv, Bd, ids, pos_t, mask, last))
             t = self._tick("prefill", t)
         fed = [len(r.feed) for r in rows]
+        for r, f in zip(rows, fed):
+            r.req.fed += f
         children = sum(r.child >= 0 for r in rows)  # each fed one token
         self._stats["decode_tokens"] += children
         self._stats["prefill_tokens"] += sum(fed) - children
@@ -550,7 +558,8 @@ class HFEngine:
         self._sequences -= 1
         q.left -= 1
         if q.left == 0:
-            self._done.append(SegmentResult(q.req.request_id, list(q.children), q.version))
+            self._done.append(SegmentResult(q.req.request_id, list(q.children), q.version, forward_tokens=q.fed,
+                                            prefix_key=q.base, cached_tokens=q.cached))
 
     def _compact(self, finished: set[int]) -> None:
         """Drop finished rows, moving rows from the end into the holes so running rows stay contiguous."""
