@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 
 from treepo_ray import config as config_io
@@ -285,13 +286,17 @@ class Trainer:
                    "faults": self.faults, "tree_counters": self.counters, "pool_size": self.supervisor.pool.size,
                    "wandb_run_id": self.record.wandb_id}
         base = self.state.base_eval.get("eval/accuracy")
-        summary["base_accuracy"] = base
+        summary["base_accuracy"], summary["base_accuracy_se"] = base, self.state.base_eval.get("eval/accuracy_se")
         if completed and self.evaluator.problems:
             self.loop.sync_engines()  # the weights published after the last step
             final = self.evaluator.evaluate()
             self.logger.log(done, final)
             summary["final_accuracy"] = final["eval/accuracy"]
+            summary["final_accuracy_se"] = final["eval/accuracy_se"]
             summary["improvement_points"] = 100 * (final["eval/accuracy"] - base) if base is not None else None
+            if base is not None and summary["base_accuracy_se"] is not None:  # the two evaluations' errors add
+                summary["improvement_se_points"] = 100 * math.hypot(summary["base_accuracy_se"],
+                                                                    final["eval/accuracy_se"])
         self.logger.summary({f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
         curve = self.logger.close()
         summary["training_curve"] = str(curve) if curve else None
@@ -329,7 +334,10 @@ def format_summary(s: dict) -> str:
              f"{s['wall_time_s']:.0f}s since the job started"]
     if s.get("base_accuracy") is not None:
         lines.append(f"   held-out accuracy ({s['eval_problems']} problems, {s['eval_method']}): base {s['base_accuracy']:.3f}"
-                     + (f" -> final {s['final_accuracy']:.3f} ({s['improvement_points']:+.1f} points)"
+                     + (f" (SE {s['base_accuracy_se']:.3f})" if s.get("base_accuracy_se") is not None else "")
+                     + (f" -> final {s['final_accuracy']:.3f} ({s['improvement_points']:+.1f} points"
+                        + (f", SE {s['improvement_se_points']:.1f})" if s.get("improvement_se_points") is not None
+                           else ")")
                         if s.get("final_accuracy") is not None else ""))
     if s.get("tree_counters"):
         lines.append("   tree growth: " + ", ".join(f"{k} {v:.0f}" for k, v in s["tree_counters"].items()))

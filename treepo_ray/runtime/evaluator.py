@@ -34,6 +34,13 @@ def validation_metrics(sources: list[str], rewards: np.ndarray, correct_threshol
     return out
 
 
+def accuracy_se(problem: list[int], correct: np.ndarray) -> float:
+    """Standard error of the accuracy over problems: the answers of one problem are one draw (their mean), so
+    several samples per problem narrow it only as far as the problems allow (0 for fewer than 2 problems)."""
+    per_problem = [correct[np.asarray(problem) == i].mean() for i in sorted(set(problem))]
+    return float(np.std(per_problem, ddof=1) / np.sqrt(len(per_problem))) if len(per_problem) > 1 else 0.0
+
+
 class Evaluator:
     """Evaluates `problems` on a supervisor's engines and verifiers (module docstring)."""
 
@@ -58,17 +65,18 @@ class Evaluator:
         reqs = [SegmentRequest(f"eval-v{version}/{i}", list(p.prompt_ids), self.max_new_tokens, self.samples,
                                params(i)) for i, p in enumerate(self.problems)]
         results = asyncio.run(self._generate(reqs))
-        answers = [(p, c) for p, res in zip(self.problems, results) for c in res.children]
+        answers = [(i, p, c) for i, (p, res) in enumerate(zip(self.problems, results)) for c in res.children]
         items = [(p.data_source, safe_decode(self.tokenizer, c.token_ids, skip_special_tokens=True), p.ground_truth,
-                  p.extra_info) for p, c in answers]
+                  p.extra_info) for _, p, c in answers]
         scored = get(sup.verifiers.score(items), cfg.runtime.deadlines.grow_s, "verifying the evaluation")
-        scored_ok = [(p.data_source, r) for (p, _), r in zip(answers, scored) if verified(r)]
-        sources = [src for src, _ in scored_ok]  # an answer without a reward is left out, not scored as wrong
-        rewards = np.array([r for _, r in scored_ok], dtype=np.float64)
+        scored_ok = [(i, p.data_source, r) for (i, p, _), r in zip(answers, scored) if verified(r)]
+        sources = [src for _, src, _ in scored_ok]  # an answer without a reward is left out, not scored as wrong
+        rewards = np.array([r for *_, r in scored_ok], dtype=np.float64)
         threshold = cfg.algo.correct_threshold
         return {"eval/accuracy": float((rewards >= threshold).mean()) if rewards.size else 0.0,
+                "eval/accuracy_se": accuracy_se([i for i, *_ in scored_ok], rewards >= threshold),
                 "eval/reward": float(rewards.mean()) if rewards.size else 0.0,
-                "eval/response_len": float(np.mean([len(c.token_ids) for _, c in answers])),
+                "eval/response_len": float(np.mean([len(c.token_ids) for *_, c in answers])),
                 "eval/verify_failed": float(len(scored) - rewards.size),
                 "eval/problems": float(len(self.problems)), "eval/version": float(version),
                 **validation_metrics(sources, rewards, threshold, self.samples),
