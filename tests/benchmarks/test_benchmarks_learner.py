@@ -79,3 +79,23 @@ def test_lora_rank_adds_the_lora_step_against_full_fine_tuning(tiny, tmp_path):
     assert c["lora"]["lora_step_ratio"] == pytest.approx(lora["step_s"] / full["step_s"])
     assert full["loss"] == pytest.approx(lora["loss"], rel=1e-4)  # B = 0 at the start: the same first loss
     assert {"c/lora_step<full", "c/lora_peak_mem<full"} <= set(result["targets"])
+
+
+@pytest.mark.slow
+def test_model_flag_measures_that_model(tiny, tmp_path):
+    out = tmp_path / "learner.json"
+    assert main(["--model", str(tiny), "--configs", "b", "--rounds", "1", "--steps", "1", "--prompt-len", "4",
+                 "--segment-len", "2", "--no-memory", "--json", str(out), "learner.micro_batch_tokens=400"]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == str(tiny) and result["model_arg"] == str(tiny)
+    assert f"model.path={tiny}" in result["overrides"]
+    b = result["configs"]["b"]
+    assert b["packed"]["unique_tokens"] == 4 + 94 * 2 and b["unpacked"]["forward_tokens"] == 16 * (4 + 8 * 2)
+    assert b["packed"]["step_s"] > 0 and b["packed"]["grad_rel_diff"] <= 1e-4  # packed = unpacked gradient
+
+
+def test_model_flag_refuses_a_missing_model_before_measuring(tmp_path):
+    from treepo_ray.config import UserError
+
+    with pytest.raises(UserError, match="--model"):
+        main(["--model", str(tmp_path / "nowhere"), "--configs", "b", "--no-memory"])

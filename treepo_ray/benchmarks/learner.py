@@ -3,7 +3,12 @@ unpacked (one row per trajectory); and the output layer's peak memory at a real 
 chunked log-probs.
 
     treepo-ray bench learner [config.yaml] [--json FILE] [--configs a,b,c] [--rounds N] [--steps N]
-                             [--lora-rank R] [key=value ...]
+                             [--model DIR|HUB_ID|GGUF] [--lora-rank R] [key=value ...]
+
+The model is the job's (model.path, default its tiny base model); `--model` names another, as in the other benches
+(a directory, a cached hub id or a GGUF file, pkg:PACKAGE/FILE for a package's, converted once into model.cache_dir),
+and stands for model.path (config a's job grows its trees with it too). The random tokens of b and c are ids below
+200, inside the tiny model's byte vocabulary and any real model's.
 
 Configs, on the job's tiny base model with the job's learner settings (config file and key=value overrides) and
 each algorithm's own loss:
@@ -66,6 +71,8 @@ MODES = ("packed", "unpacked")
 
 
 def add_args(ap) -> None:
+    ap.add_argument("--model", help="a model directory, cached hub id or GGUF file (pkg:PACKAGE/FILE for a package's; "
+                                     "default: the job's model.path, else its tiny base model)")
     ap.add_argument("--configs", default="a,b,c,paper", help="which configs to run (comma-separated: a, b, c, paper)")
     ap.add_argument("--rounds", type=int, default=2, help="processes per mode and config (alternating order)")
     ap.add_argument("--steps", type=int, default=2, help="timed train_step calls per process")
@@ -425,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(parsed, int):
         return parsed
     args, cfg = parsed
+    if args.model:  # resolved (a GGUF file converted) once; the job and every measuring process load the directory
+        from treepo_ray.engines.hub import resolve_model_path
+
+        args.overrides = [*args.overrides,
+                          f"model.path={resolve_model_path(args.model, '--model', model_cache=cfg.model.cache_dir)}"]
+        cfg = load_config(resolve_config(args.config), args.overrides)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad or args.rounds < 1 or args.steps < 1 or args.lora_rank < 0:
@@ -435,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     from treepo_ray.job.inputs import resolve_model
 
     model_path = None if set(configs) <= set(PLAN_ONLY) else resolve_model(cfg)
-    vocab = 200  # token ids of b and c: inside the tiny model's byte vocabulary
+    vocab = 200  # token ids of b and c: inside the tiny model's byte vocabulary (and any other model's)
     rng = np.random.default_rng(args.seed)
-    result: dict = {"model": model_path, "config": args.config,
+    result: dict = {"model": model_path, "model_arg": args.model, "config": args.config,
                     "overrides": redacted_overrides(args.overrides, cfg.log.redact_keys), "threads": args.threads,
                     "rounds": args.rounds, "steps": args.steps, "configs": {}}
     for name in configs:
