@@ -130,6 +130,23 @@ def test_batch_limits_queue_requests_without_changing_them(model_dir):
         [[c.token_ids for c in w.children] for w in wide]
 
 
+def test_a_burst_of_prompts_prefills_within_the_token_budget_per_step_without_changing_them(model_dir):
+    reqs = [req(f"r{i}", PROMPT[i:] * 2, 4, n=2, params=SamplingParams(temperature=0.9, seed=i))
+            for i in range(6)]
+    wide = generate(HFEngine(model_dir, num_threads=1), reqs)
+    budgeted = HFEngine(model_dir, num_threads=1, max_prefill_tokens=40)  # two or three of these 10-20-token prompts
+    budgeted.add_requests(reqs + [req("long", PROMPT * 6, 2)])  # 60 tokens: over the budget, still admitted alone
+    done, admitted = {}, []
+    while budgeted.has_unfinished():
+        before = budgeted.stats()["prefill_tokens"]
+        done.update({r.request_id: r for r in budgeted.step()})
+        admitted.append(budgeted.stats()["prefill_tokens"] - before)
+    assert sum(admitted) == sum(len(r.prefix_ids) for r in reqs) + 60
+    assert all(n <= 40 or n == 60 for n in admitted) and 60 in admitted and len([n for n in admitted if n]) >= 4
+    assert [[c.token_ids for c in done[r.request_id].children] for r in reqs] == \
+        [[c.token_ids for c in w.children] for w in wide]
+
+
 def test_release_frees_every_entry(engine):
     (a,) = generate(engine, [req("a", PROMPT, 4, n=2)])
     (b,) = generate(engine, [req("b", PROMPT + a.children[0].token_ids, 4, key=a.children[0].cache_key)])

@@ -115,6 +115,7 @@ class HFEngine:
         max_cache_tokens: int = 1 << 18,
         max_batch_size: int = 256,
         max_batch_tokens: int = 1 << 19,
+        max_prefill_tokens: int = 8192,
         vocab_size: int | None = None,
         eos_token_id: int | list[int] | None = None,
         seed: int = 0,
@@ -123,16 +124,19 @@ class HFEngine:
     ):
         """`model`: an HF model directory or a loaded causal LM. `max_cache_tokens`: cap on the positions kept in
         node caches. `max_batch_size`: running sequences at once. `max_batch_tokens`: cap on the sum over running
-        sequences of (prefix + max_new_tokens), which bounds the KV buffer. `vocab_size`: the tokenizer's size
-        (default: read from the model directory's tokenizer, else the config's). `seed`: seeds of requests that
-        give none. `attention_blocks`: blocks a decode pass's attention is split into at most, each reading only as
+        sequences of (prefix + max_new_tokens), which bounds the KV buffer. `max_prefill_tokens`: uncached prompt
+        tokens admitted into one step (vLLM's max_num_batched_tokens; a longer prompt still runs, alone), so that a
+        burst of new prompts does not stall every running row, and the actor's pings, for minutes. `vocab_size`:
+        the tokenizer's size (default: read from the model directory's tokenizer, else the config's). `seed`: seeds
+        of requests that give none. `attention_blocks`: blocks a decode pass's attention is split into at most, each reading only as
         far as its longest row, with the rows sorted longest first when that pays (1: one block, never sorted)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         for name, value in (("max_cache_tokens", max_cache_tokens), ("max_batch_size", max_batch_size),
-                            ("max_batch_tokens", max_batch_tokens), ("attention_blocks", attention_blocks)):
+                            ("max_batch_tokens", max_batch_tokens), ("max_prefill_tokens", max_prefill_tokens),
+                            ("attention_blocks", attention_blocks)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if isinstance(model, (str, Path)):
@@ -154,6 +158,7 @@ class HFEngine:
         self.vocab_size = self.decoder.vocab_size
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.attention_blocks = attention_blocks
         self.weights_version = 0
         self._rng = random.Random(seed)  # seeds of requests that give none
@@ -323,10 +328,14 @@ class HFEngine:
         """Move pending requests into leader rows while the batch limits allow (first come, first served)."""
         rows = len(self._rows)
         admitted: list[_Req] = []
+        prefill = 0
         while self._pending:
             r = self._pending[0]
             need = len(r.prefix_ids) + r.max_new_tokens
             if rows + r.n > self.max_batch_size or self._reserved_tokens + r.n * need > self.max_batch_tokens:
+                break
+            prefill += self._uncached(r)
+            if prefill > self.max_prefill_tokens and admitted:
                 break
             self._pending.popleft()
             rows += r.n
@@ -344,6 +353,14 @@ class HFEngine:
             for e in self._cache.chain(anchor):
                 self._kv[:, :, row, :, e.start : e.end] = e.kv
             self._rows.append(_Row(q, -1, q.cached, list(q.req.prefix_ids[q.cached :])))
+
+    def _uncached(self, r: SegmentRequest) -> int:
+        """Prompt tokens `r` would feed before its first sample, as _plan will find the cache (an evicted entry
+        counts in full: an upper bound)."""
+        P = len(r.prefix_ids)
+        if r.parent_key is not None:
+            return 1 if r.parent_key in self._cache.entries else P
+        return 1 if tuple(r.prefix_ids[: P - 1]) in self._cache.prompts else P
 
     def _ensure(self, rows: int, length: int) -> None:
         """Grow the KV buffer to at least `rows` x `length` positions (geometrically, keeping live rows)."""
