@@ -495,6 +495,8 @@ def _limit(cfg: DatasetConfig, context_limit: int | None, budget: PromptBudget) 
     return own, f"max_prompt_tokens {cfg.max_prompt_tokens}"
 
 
+WORD_PROBLEMS = "word_problems"
+"""The built-in task of English word problems for a real model (data/word_problems.py)."""
 SYNTHETIC_TRAIN_ROWS = 5_000
 """Training problems written for the synthetic task (the stream reshuffles them every epoch)."""
 SYNTHETIC_TEST_ROWS = 500
@@ -503,13 +505,18 @@ SYNTHETIC_TEST_ROWS = 500
 
 def synthetic_files(cache_dir: str | Path, seed: int = 0, n_train: int = SYNTHETIC_TRAIN_ROWS,
                     n_test: int = SYNTHETIC_TEST_ROWS, task: str = "synthetic") -> tuple[Path, Path]:
-    """train.jsonl and test.jsonl of the synthetic task `task` (data/synthetic.py TASKS) under `cache_dir` (written
-    once per setting)."""
+    """train.jsonl and test.jsonl of the built-in task `task` (data/synthetic.py TASKS, or WORD_PROBLEMS) under
+    `cache_dir` (written once per setting)."""
     import hashlib
 
-    from treepo_ray.data.synthetic import task_config, write_splits
+    if task == WORD_PROBLEMS:
+        from treepo_ray.data.word_problems import WordProblemConfig, write_splits
 
-    cfg = task_config(task)
+        cfg = WordProblemConfig()
+    else:
+        from treepo_ray.data.synthetic import task_config, write_splits
+
+        cfg = task_config(task)
     tag = hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]  # the task's settings name the folder
     out = Path(cache_dir) / f"{task}-{tag}-s{seed}-{n_train}-{n_test}"
     train, test = out / "train.jsonl", out / "test.jsonl"
@@ -538,7 +545,8 @@ def _split_files(name: str) -> tuple[list[Path], list[Path]]:
         return train, test
     if path.is_file():
         return [path], []
-    raise UserError(f"data.name = {name!r}: not 'synthetic', 'synthetic_addition' (the built-in tasks), a dataset "
+    raise UserError(f"data.name = {name!r}: not 'synthetic', 'synthetic_addition', 'word_problems' (the built-in "
+                    "tasks), a dataset "
                     "file, a folder or 'train,test' files")
 
 
@@ -553,7 +561,8 @@ class DataConfig:
     """Held-out files, one path or a list (verl's data.val_files; none = nothing held out)."""
     name: str = "synthetic"
     """Without train_files: a built-in task, 'synthetic' (running sums, several dependent steps: data/chain.py) or
-    'synthetic_addition' (one addition, the easy task); a folder with train/test files, 'train.jsonl,test.jsonl',
+    'synthetic_addition' (one addition, the easy task), 'word_problems' (English GSM8K-like problems for a real
+    model: data/word_problems.py); a folder with train/test files, 'train.jsonl,test.jsonl',
     or one file (then nothing is held out). With model.path empty the tiny base model is pretrained for the
     built-in task named."""
     prompt_key: str = "prompt"
@@ -582,7 +591,7 @@ class DataConfig:
             return [data_path(p) for p in self.train_files], [data_path(p) for p in self.val_files]
         from treepo_ray.data.synthetic import TASKS
 
-        if self.name in TASKS:
+        if self.name in TASKS or self.name == WORD_PROBLEMS:
             train, test = synthetic_files(cache_dir, self.seed, *synthetic_rows, task=self.name)
             return [train], [test]
         return _split_files(self.name)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treepo_ray.config import UserError, origin_of
-from treepo_ray.data.datasets import (SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, PromptBudget, Splits, file_exists,
-                                     encode_records, read_records)
+from treepo_ray.data.datasets import (SYNTHETIC_TEST_ROWS, SYNTHETIC_TRAIN_ROWS, WORD_PROBLEMS, PromptBudget, Splits,
+                                     encode_records, file_exists, read_records)
 from treepo_ray.data.prompts import Prompt
 from treepo_ray.engines.hub import model_context_length, resolve_model_path
 from treepo_ray.job.config import TrainConfig
@@ -26,6 +26,9 @@ def check_inputs(cfg: TrainConfig) -> None:
                         f"{cfg.rollout.temperature}; the learner's log-probs must use the sampling temperature")
     if cfg.custom_reward_function.enabled:
         check_reward_function(cfg.custom_reward_function)
+    if cfg.data.name == WORD_PROBLEMS and not cfg.data.train_files and not cfg.model.path:
+        raise UserError("data.name = 'word_problems' is English text, beyond the tiny base model (model.path is "
+                        "empty): set model.path, e.g. `treepo-ray train smollm2_cpu` (SmolLM2-135M-Instruct)")
     if cfg.data.train_files or cfg.data.name != "synthetic":
         train, test = cfg.data.files(cfg.model.cache_dir, (SYNTHETIC_TRAIN_ROWS, SYNTHETIC_TEST_ROWS))
         for key, files in (("data.train_files", train), ("data.val_files", test)):
