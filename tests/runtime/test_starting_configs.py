@@ -11,6 +11,7 @@ PAPER_CLUSTER = dict(num_cpus=96 + 2 * 48, num_gpus=8 + 2 * 4, resources={"learn
 HARDWARE = {
     "cpu": dict(num_cpus=2),
     "catpo_cpu": dict(num_cpus=2),
+    "smollm2_cpu": dict(num_cpus=2),
     "gsm8k_1gpu": dict(num_cpus=8, num_gpus=1),
     "gsm8k_8gpu": dict(num_cpus=32, num_gpus=8),
     **{name: PAPER_CLUSTER for name in config_names() if name.endswith("_paper")},
