@@ -1,8 +1,8 @@
 """English word problems in GSM8K's form, generated offline: the built-in task `data.name: word_problems`.
 
 Each problem is a short story with quantities and units (items, dollars, kilometers, pages, minutes) that takes two
-to four operations (+, -, *, exact /) to solve (the default: two or three, numbers up to 5; see WordProblemConfig). Its worked solution is one sentence per operation and the answer in
-`\\boxed{}`:
+to four operations (+, -, *, exact /) to solve (the default: two or three, numbers up to 5; see WordProblemConfig).
+Its worked solution is one sentence per operation and the answer in `\\boxed{}`:
 
     Maya buys 3 notebooks at $4 each and 2 pens at $1 each. How many dollars does she spend?
 

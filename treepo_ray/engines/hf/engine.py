@@ -128,8 +128,9 @@ class HFEngine:
         tokens admitted into one step (vLLM's max_num_batched_tokens; a longer prompt still runs, alone), so that a
         burst of new prompts does not stall every running row, and the actor's pings, for minutes. `vocab_size`:
         the tokenizer's size (default: read from the model directory's tokenizer, else the config's). `seed`: seeds
-        of requests that give none. `attention_blocks`: blocks a decode pass's attention is split into at most, each reading only as
-        far as its longest row, with the rows sorted longest first when that pays (1: one block, never sorted)."""
+        of requests that give none. `attention_blocks`: blocks a decode pass's attention is split into at most, each
+        reading only as far as its longest row, with the rows sorted longest first when that pays (1: one block, never
+        sorted)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if isinstance(dtype, str):
