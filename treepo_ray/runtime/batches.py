@@ -66,13 +66,6 @@ class RolloutBatch:
         return ray.get(self.samples)
 
 
-def forward_tokens(tree: Tree) -> int | None:
-    """The forward tokens the engines ran to grow `tree` (engines/driver.py `count_forward`), or None where its
-    engine does not count per request."""
-    value = tree.meta.get("forward_tokens")
-    return None if value is None else int(value)
-
-
 def forward_metrics(grown: list[Tree]) -> dict:
     """tree/forward_tokens and tree/forward_per_unique of a batch's grown trees (every round's, dropped ones too).
 
@@ -88,7 +81,7 @@ def forward_metrics(grown: list[Tree]) -> dict:
     tree/forward_per_unique: that over tree/unique_tokens (the prompt once plus every segment once): 1.0 minus
     about one token per leaf for a perfect tree cache; more means recomputation.
     Both NaN where an engine does not count per request."""
-    counts = [forward_tokens(t) for t in grown]
+    counts = [t.meta.get("forward_tokens") for t in grown]  # engines/driver.py count_forward
     if not grown or any(c is None for c in counts):
         return {"tree/forward_tokens": math.nan, "tree/forward_per_unique": math.nan}
     fwd = sum(counts)
