@@ -333,3 +333,37 @@ def test_hf_engine_falls_back_to_prefix_ids_for_a_cache_key_it_does_not_know(mod
     assert second.stats()["cache_hits"] == 0 and first.stats()["cache_hits"] >= 1
     for a, b in zip(resent.children, cached.children):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_entropies_are_the_models_and_a_segment_stops_before_an_uncertain_token(engine, hf):
+    """Entropies reported are of the model's next-token distribution; with stop_entropy a child ends right before
+    the first token (after min_new_tokens) whose distribution is that uncertain, and its children continue from the
+    cached segment, drawing that token, with log-probs equal to an uncut forward's."""
+    params = SamplingParams(temperature=1.0, seed=3, entropy=True)
+    (a,) = generate(engine, [req("a", PROMPT, 12, n=4, params=params)])
+    for c in a.children:
+        logp = hf_logprobs(hf, PROMPT + c.token_ids)[len(PROMPT) - 1 : len(PROMPT) - 1 + len(c.token_ids)]
+        want = -(logp.exp() * logp).sum(-1)
+        assert c.entropies == pytest.approx(want.tolist(), abs=1e-4) and c.branch_entropy is None
+    every = [e for c in a.children for e in c.entropies]
+    stop = sorted(every)[len(every) // 2]  # the median: some tokens pass it, some do not
+    (b,) = generate(engine, [req("b", PROMPT, 12, n=4, params=params, stop_entropy=stop, min_new_tokens=2)])
+    cut = 0
+    for c, full in zip(b.children, a.children):  # same seeds: the same tokens up to the cut
+        n = len(c.token_ids)
+        assert c.token_ids == full.token_ids[:n] and n >= 2
+        if c.finish_reason == "branch":
+            cut += 1
+            assert c.branch_entropy == pytest.approx(full.entropies[n], abs=1e-4) and c.branch_entropy >= stop
+            assert all(e < stop for e in full.entropies[2:n])  # the first uncertain token past the minimum
+        else:
+            assert n == 12 and all(e < stop for e in full.entropies[2:])
+    assert cut >= 1
+    seg = next(c for c in b.children if c.finish_reason == "branch")
+    prefix = PROMPT + seg.token_ids
+    (d,) = generate(engine, [req("d", prefix, 5, n=2, params=params, key=seg.cache_key)])
+    for c in d.children:
+        assert_logprobs_match(hf, prefix, c.token_ids, c.logprobs)
+    assert engine.stats()["recomputed_tokens"] == 0
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        engine.add_requests([req("e", PROMPT, 4, stop_entropy=1.0)])

@@ -28,6 +28,9 @@ class SamplingParams:
     """Keep only the k most likely tokens (0 = off)."""
     seed: int | None = None
     """Seed of this request's random stream: the same request and seed give the same tokens."""
+    entropy: bool = False
+    """Report each sampled token's entropy (Segment.entropies): of the distribution the log-probs are taken from (at
+    the sampling temperature, before top-k/top-p), exactly or as a lower bound from its most likely tokens."""
 
 
 @dataclass
@@ -48,6 +51,12 @@ class SegmentRequest:
     """Cache key of the node this prefix ends at, as returned by this engine earlier; None = no cached node."""
     stop_at_eos: bool = True
     """End a child at the EOS token (it is kept as the segment's last token)."""
+    stop_entropy: float = 0.0
+    """End a child before a token whose distribution's entropy (nats) reaches this, once it holds `min_new_tokens`
+    tokens: the token is not sampled, the child ends with finish_reason 'branch' and its `branch_entropy`, so that
+    children of it diverge exactly there (0 = off)."""
+    min_new_tokens: int = 0
+    """Tokens a child holds at least before `stop_entropy` may end it (>= 1 when it is on)."""
 
 
 @dataclass

@@ -66,6 +66,8 @@ class TreeTracker:
                     params=replace(self.params, seed=ask.seed),
                     parent_key=t.keys.get(ask.node),
                     stop_at_eos=self.stop_at_eos,
+                    stop_entropy=ask.stop_entropy,
+                    min_new_tokens=ask.min_new_tokens,
                 )
             )
         return out

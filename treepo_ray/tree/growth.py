@@ -17,6 +17,7 @@ import numpy as np
 from treepo_ray.tree.tree import FINISH_REASONS, Tree
 
 BOXED = "\\boxed{"
+SEGMENT_ENDS = ("eos", "length", "branch")
 
 
 @dataclass
@@ -33,6 +34,11 @@ class Ask:
     """Length cap of each child segment (the segment length, or less near the response limit)."""
     seed: int
     """Seed of the request's random stream, derived from the grower's seed and the ask counter."""
+    stop_entropy: float = 0.0
+    """End each child before a token whose entropy reaches this, once it holds min_new_tokens (0 = at the length
+    cap only): SegmentRequest.stop_entropy."""
+    min_new_tokens: int = 0
+    """Tokens each child holds at least before stop_entropy may end it."""
 
 
 @dataclass
@@ -45,9 +51,14 @@ class Segment:
     """Log-prob of each token under the sampling model at the sampling temperature (before top-p/top-k; 1 when
     greedy): the behaviour log-probs the learner's off-policy correction uses."""
     finish_reason: str
-    """'eos' (ended with the EOS token) or 'length' (reached max_new_tokens)."""
+    """'eos' (ended with the EOS token), 'length' (reached max_new_tokens) or 'branch' (stopped before a token whose
+    entropy reached the request's stop_entropy)."""
     cache_key: str | None = None
     """Key under which the engine keeps this segment's KV cache for a later continuation (None = not cached)."""
+    entropies: list[float] | None = None
+    """Entropy (nats) of the distribution each token was drawn from, where the request asked for it (else None)."""
+    branch_entropy: float | None = None
+    """For finish_reason 'branch': the entropy of the next token's distribution, where the children will diverge."""
 
 
 def has_complete_boxed(text: str) -> bool:
@@ -172,6 +183,7 @@ class StopRules:
 COUNTERS = {
     "branches": "branches", "budget_transfers": "budget_transfers", "fallbacks": "fallbacks",
     "random_divergence": "random_divergence", "logprob_branchings": "logprob_branchings",
+    "entropy_stops": "entropy_stops", "entropy_branchings": "entropy_branchings",
     **{f"stop_{r}": f"finish/{r}" for r in FINISH_REASONS[1:]},
 }
 
@@ -179,7 +191,8 @@ COUNTERS = {
 def growth_counters(trees: list[Tree]) -> dict[str, float]:
     """`growth/<name>`: each growth mechanism's count summed over `trees` (from tree.meta["growth"]): asks that
     branched, rounds whose finished paths' budget went to the survivors, fallbacks, trees whose initial divergence
-    was drawn at random, rounds whose budget was spread by segment log-probs, and finished paths per stop reason."""
+    was drawn at random, rounds whose budget was spread by segment log-probs, segments ended before an uncertain token,
+    rounds whose budget was spread by entropy, and finished paths per stop reason."""
     stats = [t.meta.get("growth", {}) for t in trees]
     return {f"growth/{name}": float(sum(g.get(key, 0) for g in stats)) for name, key in COUNTERS.items()}
 
@@ -228,7 +241,9 @@ class Grower:
         self.align = 0
         """Segment alignment (PathLimits.segment_align); subclasses set it before their first ask."""
         self._stats: dict[str, int] = {"asks": 0, "segments": 0, "branches": 0, "fallbacks": 0, "budget_transfers": 0,
-                                       "logprob_branchings": 0, "random_divergence": 0}
+                                       "logprob_branchings": 0, "random_divergence": 0, "entropy_stops": 0,
+                                       "entropy_branchings": 0}
+        self._branch_entropy: dict[int, float] = {}  # node -> entropy of the token its segment stopped before
         for reason in FINISH_REASONS[1:]:
             self._stats[f"finish/{reason}"] = 0
 
@@ -254,22 +269,26 @@ class Grower:
             raise ValueError(f"request {request_id!r} asked for {ask.n} children, got {len(children)}")
         for j, c in enumerate(children):
             where = f"request {request_id!r} child {j}"
-            if c.finish_reason not in ("eos", "length"):
-                raise ValueError(f"{where}: finish_reason {c.finish_reason!r} is not 'eos' or 'length'")
-            if len(c.token_ids) != len(c.logprobs):
-                raise ValueError(f"{where}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
+            if c.finish_reason not in SEGMENT_ENDS:
+                raise ValueError(f"{where}: finish_reason {c.finish_reason!r} is not one of {SEGMENT_ENDS}")
+            if len(c.token_ids) != len(c.logprobs) or (c.entropies is not None and len(c.entropies) != len(c.logprobs)):
+                raise ValueError(f"{where}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs and "
+                                 f"{len(c.entropies or [])} entropies")
             if len(c.token_ids) > ask.max_new_tokens:
                 raise ValueError(f"{where}: {len(c.token_ids)} tokens > max_new_tokens {ask.max_new_tokens}")
         del self._outstanding[request_id]
         seq = self._seq[request_id]
         nodes = []
         for j, c in enumerate(children):
-            node = self.tree.add_node(ask.node, c.token_ids, c.logprobs)
+            node = self.tree.add_node(ask.node, c.token_ids, c.logprobs, entropy=c.entropies)
             eos = c.finish_reason == "eos" or (len(c.token_ids) > 0 and c.token_ids[-1] == self.eos_token_id)
             reason, box = self.rules.classify(self.tree, node, eos, self.decode)
             self.tree.finish[node] = reason
             self._holds_box[node] = box
             self._order[node] = (seq, j)
+            if c.finish_reason == "branch":
+                self._branch_entropy[node] = float(c.branch_entropy)
+                self._stats["entropy_stops"] += 1
             nodes.append(node)
         self._stats["segments"] += len(nodes)
         self._grow(ask, nodes)
@@ -281,8 +300,9 @@ class Grower:
 
     def stats(self) -> dict:
         """Counters: asks, segments (nodes received), branches (asks with n >= 2), fallbacks, finish/<reason> (one
-        per finished node), max_depth_reached, trajectories; TreePO's budget_transfers, logprob_branchings and
-        random_divergence (0 for the other growers), rounds and init_divergence."""
+        per finished node), max_depth_reached, trajectories, entropy_stops (segments ended before an uncertain
+        token); TreePO's budget_transfers, logprob_branchings, entropy_branchings and random_divergence (0 for the
+        other growers), rounds and init_divergence."""
         out = dict(self._stats)
         out["max_depth_reached"] = max(self.tree.depth)
         out["trajectories"] = len(self.tree.trajectories)
@@ -293,8 +313,9 @@ class Grower:
     def _grow(self, ask: Ask, nodes: list[int]) -> None:
         raise NotImplementedError
 
-    def _ask(self, node: int, n: int, segment_len: int) -> Ask:
-        """Queue a request for `n` children of `node`, each at most `segment_len` tokens and within the limit."""
+    def _ask(self, node: int, n: int, segment_len: int, stop_entropy: float = 0.0, min_len: int = 0) -> Ask:
+        """Queue a request for `n` children of `node`, each at most `segment_len` tokens and within the limit (and,
+        with `stop_entropy`, ending before an uncertain token once it holds `min_len`)."""
         left = self.rules.tokens_left(self.tree, node)
         if n < 1 or left < 1:
             raise AssertionError(f"bug: ask for {n} children of node {node} with {left} tokens left")
@@ -304,7 +325,10 @@ class Grower:
             depth = self.tree.depth[node] + 1
             segment_len += extend * ((depth == 1) - (depth == self.rules.max_depth))
         seed = int(np.random.SeedSequence([self.seed, self._counter]).generate_state(1)[0] & 0x7FFFFFFF)
-        ask = Ask(f"{self.tree.query_id}/{self._counter}", int(node), int(n), int(min(segment_len, left)), seed)
+        length = int(min(segment_len, left))
+        stop = float(stop_entropy) if stop_entropy and min_len < length else 0.0  # no room to stop earlier: off
+        ask = Ask(f"{self.tree.query_id}/{self._counter}", int(node), int(n), length, seed, stop,
+                  int(min_len) if stop else 0)
         self._counter += 1
         self._ready.append(ask)
         self._issued.add(ask.request_id)

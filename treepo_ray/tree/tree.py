@@ -39,6 +39,9 @@ class Tree:
     """The segment's generated token ids (empty for the root)."""
     logprobs: list[list[float]] = field(default_factory=lambda: [[]])
     """Sampling log-prob of each token of the segment, under the policy that generated it."""
+    entropy: list[list[float]] = field(default_factory=lambda: [[]])
+    """Entropy (nats) of the distribution each token of the segment was drawn from; empty where the engine was not
+    asked for it (Segment.entropies)."""
     finish: list[str] = field(default_factory=lambda: ["none"])
     """Why the path stopped at this node: one of FINISH_REASONS ('none' = it may still continue or branch)."""
     reward: list[float] = field(default_factory=lambda: [math.nan])
@@ -51,18 +54,22 @@ class Tree:
     def __len__(self) -> int:
         return len(self.parent)
 
-    def add_node(self, parent: int, tokens: list[int], logprobs: list[float], finish: str = "none") -> int:
+    def add_node(self, parent: int, tokens: list[int], logprobs: list[float], finish: str = "none",
+                 entropy: list[float] | None = None) -> int:
         """Append a segment under `parent` and return its node id."""
         if not 0 <= parent < len(self.parent):
             raise ValueError(f"parent {parent} is not a node of this tree ({len(self.parent)} nodes)")
         if len(tokens) != len(logprobs):
             raise ValueError(f"segment has {len(tokens)} tokens but {len(logprobs)} log-probs")
+        if entropy is not None and len(entropy) != len(tokens):
+            raise ValueError(f"segment has {len(tokens)} tokens but {len(entropy)} entropies")
         if finish not in FINISH_REASONS:
             raise ValueError(f"finish reason {finish!r} is not one of {FINISH_REASONS}")
         self.parent.append(parent)
         self.depth.append(self.depth[parent] + 1)
         self.tokens.append(list(tokens))
         self.logprobs.append(list(logprobs))
+        self.entropy.append(list(entropy or []))
         self.finish.append(finish)
         self.reward.append(math.nan)
         return len(self.parent) - 1
@@ -107,7 +114,7 @@ class Tree:
         if any(new[self.parent[old]] >= i for i, old in enumerate(order) if i):
             raise ValueError("order must list each parent before its children")
         self.parent = [-1] + [new[self.parent[old]] for old in order[1:]]
-        for name in ("depth", "tokens", "logprobs", "finish", "reward"):
+        for name in ("depth", "tokens", "logprobs", "entropy", "finish", "reward"):
             values = getattr(self, name)
             setattr(self, name, [values[old] for old in order])
         self.trajectories = [new[n] for n in self.trajectories]
@@ -148,7 +155,8 @@ class Tree:
         return Tree(prompt_ids=list(self.prompt_ids), query_id=self.query_id,
                     parent=[-1] + [new[self.parent[n]] for n in needed[1:]], depth=[self.depth[n] for n in needed],
                     tokens=[list(self.tokens[n]) for n in needed], logprobs=[list(self.logprobs[n]) for n in needed],
-                    finish=[self.finish[n] for n in needed], reward=[self.reward[n] for n in needed],
+                    entropy=[list(self.entropy[n]) for n in needed], finish=[self.finish[n] for n in needed],
+                    reward=[self.reward[n] for n in needed],
                     trajectories=[new[e] for e in ends], meta=dict(self.meta))
 
     def to_dict(self) -> dict:
@@ -159,6 +167,7 @@ class Tree:
             "depth": self.depth,
             "tokens": self.tokens,
             "logprobs": self.logprobs,
+            "entropy": self.entropy,
             "finish": self.finish,
             "reward": [None if math.isnan(r) else r for r in self.reward],
             "trajectories": self.trajectories,
@@ -168,8 +177,8 @@ class Tree:
     @classmethod
     def from_dict(cls, d: dict) -> "Tree":
         n = len(d["parent"])
-        for key in ("depth", "tokens", "logprobs", "finish", "reward"):
-            if len(d[key]) != n:
+        for key in ("depth", "tokens", "logprobs", "entropy", "finish", "reward"):
+            if len(d.get(key, d["parent"])) != n:  # entropy is absent from trees saved before it existed
                 raise ValueError(f"tree field {key!r} has {len(d[key])} entries for {n} nodes")
         return cls(
             prompt_ids=list(d["prompt_ids"]),
@@ -178,6 +187,7 @@ class Tree:
             depth=list(d["depth"]),
             tokens=[list(t) for t in d["tokens"]],
             logprobs=[list(lp) for lp in d["logprobs"]],
+            entropy=[list(e) for e in d.get("entropy", [[]] * n)],
             finish=list(d["finish"]),
             reward=[math.nan if r is None else float(r) for r in d["reward"]],
             trajectories=list(d["trajectories"]),

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -52,6 +53,8 @@ class _Req:
     """Buffer positions one child may use: len(prefix) + max_new_tokens."""
     kind: str = "mixed"
     """What its sampling parameters ask of the sampler (sampler.KINDS)."""
+    entropy: bool = False
+    """Its rows need each token's entropy (to report it, or to stop at an uncertain token)."""
     children: list[Segment | None] = field(default_factory=list)
     left: int = 0
     fed: int = 0
@@ -68,6 +71,9 @@ class _Row:
     feed: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    branch: float | None = None
+    """The entropy that stopped it before its next token (SegmentRequest.stop_entropy), if one did."""
 
 
 _COUNTERS = (
@@ -265,6 +271,9 @@ class HFEngine:
         p = r.params
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
             raise ValueError(f"{where}: bad sampling params {p}")
+        if r.stop_entropy < 0 or r.min_new_tokens < 0 or (r.stop_entropy > 0 and r.min_new_tokens < 1):
+            raise ValueError(f"{where}: stop_entropy ({r.stop_entropy}) must be >= 0 and min_new_tokens "
+                             f"({r.min_new_tokens}) >= 1 when it is on (a segment holds a token at least)")
         vocab = self.decoder.embed.shape[0]
         if min(r.prefix_ids) < 0 or max(r.prefix_ids) >= vocab:
             bad = [t for t in r.prefix_ids if not 0 <= t < vocab]
@@ -319,6 +328,7 @@ class HFEngine:
                    P + r.max_new_tokens)
         req.children, req.left = [None] * r.n, r.n
         req.kind = kind_of(r.params.temperature, r.params.top_k, r.params.top_p)
+        req.entropy = r.params.entropy or r.stop_entropy > 0
         if new_base is not None and new_base[1] is not None:
             self._cache.pin(new_base[1], 1)  # the revived entry will chain to this ancestor
         return req
@@ -387,8 +397,8 @@ class HFEngine:
     def _run(self, t: float) -> None:
         """One model step over every running row: forward (decode rows, then prefill rows), sample, advance."""
         logits, fed, t = self._forward_rows(t)
-        tokens, logps, t = self._sample_rows(logits, t)
-        self._advance_rows(fed, tokens, logps, t)
+        tokens, logps, ents, t = self._sample_rows(logits, t)
+        self._advance_rows(fed, tokens, logps, ents, t)
 
     def _forward_rows(self, t: float) -> tuple[torch.Tensor, list[int], float]:
         """The next-token logits of every row (decode rows first, each fed one token; then prefill rows) and the
@@ -428,8 +438,9 @@ class HFEngine:
         self._stats["forward_tokens"] += sum(fed)
         return torch.cat(logits) if len(logits) > 1 else logits[0], fed, t
 
-    def _sample_rows(self, all_logits: torch.Tensor, t: float) -> tuple[list[int], list[float], float]:
-        """A token per child: a leader row draws one for each of its children from its logits."""
+    def _sample_rows(self, all_logits: torch.Tensor, t: float) -> tuple[list[int], list[float], list[float], float]:
+        """A token per child: a leader row draws one for each of its children from its logits; its entropy where a
+        row of the batch needs it (else NaN)."""
         rows = self._rows
         counts = [r.req.req.n if r.child < 0 else 1 for r in rows]
         seeds, counters = [], []
@@ -446,20 +457,23 @@ class HFEngine:
         kind = kinds.pop() if len(kinds) == 1 else "plain" if kinds == {"unit", "plain"} else "mixed"
         params = [r.req.req.params for r, c in zip(rows, counts) for _ in range(c)] if kind != "unit" else []
         tensor = lambda values: torch.tensor(values, device=self.device)  # noqa: E731
-        tokens, logps = sample(
+        tokens, logps, ent = sample(
             all_logits,
             tensor([p.temperature for p in params]) if kind in ("plain", "mixed") else None,
             tensor([p.top_k for p in params]) if kind == "mixed" else None,
             tensor([p.top_p for p in params]) if kind == "mixed" else None,
             torch.from_numpy(uniforms(seeds, counters)).to(self.device, torch.float32),
             kind,
+            entropy=any(r.req.entropy for r in rows),
         )
         self._stats["steps"] += 1
         self._stats["step_sequences"] += len(seeds)
         self._stats["steps_at_cap"] += len(seeds) >= self.max_batch_size
-        return tokens.tolist(), logps.tolist(), self._tick("sample", t)
+        ents = ent.tolist() if ent is not None else [math.nan] * len(seeds)
+        return tokens.tolist(), logps.tolist(), ents, self._tick("sample", t)
 
-    def _advance_rows(self, fed: list[int], tokens: list[int], logps: list[float], t: float) -> None:
+    def _advance_rows(self, fed: list[int], tokens: list[int], logps: list[float], ents: list[float],
+                      t: float) -> None:
         """Append each row's token; fork leaders into their children (child 0 keeps the leader's row, the others
         get copies of its KV); finished rows leave."""
         rows = self._rows
@@ -479,10 +493,11 @@ class HFEngine:
                         src.append(i)
                         dst.append(len(rows))
                         rows.append(row)
-                    self._append(row, tokens[k + j], logps[k + j], finished, i if j == 0 else len(rows) - 1)
+                    self._append(row, tokens[k + j], logps[k + j], ents[k + j], finished,
+                                 i if j == 0 else len(rows) - 1)
                 k += q.req.n
             else:
-                self._append(r, tokens[k], logps[k], finished, i)
+                self._append(r, tokens[k], logps[k], ents[k], finished, i)
                 k += 1
         t = self._tick("bookkeeping", t)
         if src:
@@ -527,11 +542,17 @@ class HFEngine:
         see = self._positions[None, None, :T] <= pos[:, :, None]
         return torch.where(see, *self._mask_values)[:, None]
 
-    def _append(self, row: _Row, token: int, logp: float, finished: list[int], index: int) -> None:
+    def _append(self, row: _Row, token: int, logp: float, ent: float, finished: list[int], index: int) -> None:
+        q = row.req.req
+        if q.stop_entropy and ent >= q.stop_entropy and len(row.tokens) >= q.min_new_tokens:
+            row.branch = ent  # the token is dropped: the children of this segment draw it
+            finished.append(index)
+            return
         row.tokens.append(token)
         row.logprobs.append(logp)
+        if row.req.entropy:
+            row.entropies.append(ent)
         row.feed = [token]
-        q = row.req.req
         if len(row.tokens) >= q.max_new_tokens or (q.stop_at_eos and token in self._eos):
             finished.append(index)
 
@@ -560,12 +581,19 @@ class HFEngine:
         """A child is complete: keep its segment's KV rows [P-1, pos) as its cache entry and report it."""
         q = row.req
         P = len(q.req.prefix_ids)
-        reason = "eos" if q.req.stop_at_eos and row.tokens[-1] in self._eos else "length"
-        seg = Segment(list(row.tokens), list(row.logprobs), reason, None)
+        if row.branch is not None:
+            reason = "branch"
+        else:
+            reason = "eos" if q.req.stop_at_eos and row.tokens[-1] in self._eos else "length"
+        seg = Segment(list(row.tokens), list(row.logprobs), reason, None,
+                      list(row.entropies) if q.entropy else None, row.branch)
         key = self._cache.new_key()
-        kv = self._kv[:, :, index, :, P - 1 : row.pos].clone()
+        # A segment stopped before a token was fed its last token already: the entry leaves it out, as for the
+        # others (a child's request feeds its parent's last token).
+        end = row.pos - (row.branch is not None)
+        kv = self._kv[:, :, index, :, P - 1 : end].clone()
         fed = tuple([q.req.prefix_ids[-1]] + row.tokens[:-1])
-        if self._cache.add(Entry(key, q.base, P - 1, row.pos, kv, fed, held=True)):
+        if self._cache.add(Entry(key, q.base, P - 1, end, kv, fed, held=True)):
             seg.cache_key = key
         else:
             self._stats["uncached_segments"] += 1

@@ -4,7 +4,8 @@ Temperature (0 = greedy), then top-k, then top-p on the top-k-renormalised distr
 inverse CDF with one uniform number per token that is a hash of (child seed, token index), so a child's tokens
 depend only on its own seed and logits, never on what else is in the batch. Reported log-probs are of the sampled
 token under the model's distribution at the row's sampling temperature (before top-k and top-p; temperature 1 for
-greedy rows): what the learner computes with learner.temperature, so they serve as behaviour log-probs.
+greedy rows): what the learner computes with learner.temperature, so they serve as behaviour log-probs. Entropies,
+when asked for, are of that same distribution.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def sample(
     top_p: torch.Tensor | None,
     u: torch.Tensor,
     kind: str = "mixed",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [N, V]; return (tokens, their log-probs at the row's temperature).
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draw one token per row of `logits` [N, V]; return (tokens, their log-probs at the row's temperature, and with
+    `entropy` the entropy of each row's distribution at that temperature, else None).
 
     Per row: temperature 0 is greedy; otherwise softmax(logits / temperature), restricted to the top_k most likely
     tokens (0 = all), then to the smallest set of them whose mass reaches top_p, renormalised; the token is the
@@ -92,7 +95,8 @@ def sample(
         tokens = pick.clamp_(max=z.shape[-1] - 1)
     else:
         tokens = _sample_mixed(logits, temperature, top_k, top_p, u)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    ent = torch.special.entr(logp.exp()).sum(dim=-1) if entropy else None  # entr(0) = 0: no NaN at p = 0
+    return tokens, logp.gather(1, tokens[:, None])[:, 0], ent
 
 
 def _sample_mixed(logits, temperature, top_k, top_p, u) -> torch.Tensor:
