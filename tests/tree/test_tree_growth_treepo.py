@@ -440,3 +440,54 @@ def test_segment_align_off_or_already_aligned_asks_plain_segments():
         assert {a.max_new_tokens for asks in drive(g, by_round({})) for a in asks} == {8}
     with pytest.raises(ValueError, match="segment_align"):
         cfg(segment_len=8, segment_align=3)
+
+
+# ---- entropy-guided branch points and budgets ---------------------------------------------------------------------
+
+
+def entropic(ask, j, length=None) -> Segment:
+    """A 'go' child with entropies: child j of an ask is as uncertain as j, so later children look less sure."""
+    seg = child(ask, j, "go")
+    seg.entropies = [0.1 * (j + 1)] * len(seg.token_ids)
+    return seg
+
+
+def test_entropy_branch_points_ask_for_stops_only_while_the_tree_can_still_branch():
+    g = grower(cfg(width=8, init_divergence=2, segment_len=8, branch_point="entropy", branch_entropy=1.5,
+                   min_segment_len=3))
+    batches = drive(g, lambda tree, a, j, k: child(a, j, "boxed") if tree.depth[a.node] >= 3 else entropic(a, j))
+    first, second, third = (b[0] for b in batches[:3])
+    # Rounds whose children will be branched from stop at uncertain tokens: 2 -> 4 -> 8 paths, then width is full.
+    assert (first.stop_entropy, first.min_new_tokens, first.n) == (1.5, 3, 2)
+    assert (second.stop_entropy, second.min_new_tokens) == (1.5, 3) and sum(a.n for a in batches[1]) == 4
+    assert third.stop_entropy == 0.0 and sum(a.n for a in batches[2]) == 8
+    assert len(g.tree.trajectories) == 8
+
+
+def test_a_segment_that_stopped_at_an_uncertain_token_is_branched_from_there():
+    """The engine ends a segment before an uncertain token ('branch'); the grower continues the path from exactly
+    that node, counts the stop and, under divergence_policy 'entropy', gives the most uncertain path most children."""
+    g = grower(cfg(width=8, init_divergence=2, segment_len=8, branch_point="entropy", branch_entropy=1.0,
+                   min_segment_len=2, divergence_policy="entropy", entropy_temperature=0.25))
+
+    def script(tree, a, j, k):
+        if tree.depth[a.node] >= 1:
+            return child(a, j, "boxed")
+        ids = child(a, j, "go").token_ids[: 2 + j]  # child j stopped after 2 + j tokens
+        return Segment(ids, [-1.0] * len(ids), "branch", entropies=[0.5] * len(ids), branch_entropy=1.0 + 2 * j)
+
+    batches = drive(g, script)
+    depth1 = g.tree.children(0)
+    assert [len(g.tree.tokens[n]) for n in depth1] == [2, 3]
+    asks = {a.node: a.n for a in batches[1]}
+    assert asks[depth1[1]] > asks[depth1[0]]  # entropy 3.0 against 1.0 at T 0.25: most of the 4 children
+    assert sum(asks.values()) == 4
+    stats = g.tree.meta["growth"]
+    assert stats["entropy_stops"] == 2 and stats["entropy_branchings"] == 1
+    assert g.tree.entropy[depth1[0]] == [0.5, 0.5]
+
+
+def test_entropy_divergence_without_entropies_is_a_clear_error():
+    g = grower(cfg(width=8, init_divergence=2, divergence_policy="entropy"))
+    with pytest.raises(ValueError, match="rollout.entropy"):
+        drive(g, lambda tree, a, j, k: child(a, j, "go"))

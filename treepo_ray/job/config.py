@@ -266,6 +266,10 @@ class RolloutConfig:
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    entropy: bool = True
+    """Engines report each sampled token's entropy (Tree.entropy): entropy-guided branching needs it, and every
+    run's tree/branch_entropy and tree/token_entropy come from it (hf: exact, a few percent of decode time; vLLM: a
+    lower bound from its 20 most likely tokens). A sampler that branches by entropy needs it."""
     treepo: TreePOConfig = field(default_factory=TreePOConfig)
     """TreePO tree sampler (algo treepo, treepo_flat)."""
     treerpo: TreeRPOConfig = field(default_factory=TreeRPOConfig)
@@ -417,6 +421,11 @@ class TrainConfig:
         if overlong.enable and overlong.buffer_len > overlong.max_len:
             raise ValueError(f"algo.overlong.buffer_len = {overlong.buffer_len} exceeds the response limit "
                              f"{overlong.max_len}")
+        sampler = self.sampler_config
+        if not self.rollout.entropy and isinstance(sampler, TreePOConfig) and (
+                sampler.branch_point == "entropy" or sampler.divergence_policy == "entropy"):
+            raise ValueError("rollout.treepo.branch_point / divergence_policy 'entropy' need the engines' entropies: "
+                             "set rollout.entropy: true")
 
     @property
     def sampler_config(self):

@@ -41,7 +41,7 @@ class TreeScheduler:
         self.algo = cfg.algo
         self.grower_cls, self.sampler_cfg = GROWERS[cfg.algo.spec.sampler], cfg.sampler_config
         r = cfg.rollout
-        self.tracker = TreeTracker(SamplingParams(r.temperature, r.top_p, r.top_k))  # asks <-> engine requests
+        self.tracker = TreeTracker(SamplingParams(r.temperature, r.top_p, r.top_k, entropy=r.entropy))  # asks <-> requests
         self.wait_s = cfg.runtime.deadlines.grow_s
 
     def set_healer(self, healer) -> None:

@@ -31,7 +31,8 @@ import numpy as np
 from treepo_ray.tree.growth import Ask, Grower, PathLimits, check_positive
 from treepo_ray.tree.tree import Tree
 
-DIVERGENCE_POLICIES = ("uniform", "logprob_high", "logprob_low")
+DIVERGENCE_POLICIES = ("uniform", "logprob_high", "logprob_low", "entropy")
+BRANCH_POINTS = ("boundary", "entropy")
 FALLBACK_POLICIES = ("finished_first", "random")
 
 
@@ -58,6 +59,19 @@ class TreePOConfig(PathLimits):
     paper's scheduled variant: 5.0 -> 1.0); see `scheduled`."""
     fallback_policy: str = "finished_first"
     """Which finished path fallback branches from: 'finished_first' (most recently finished) or 'random'."""
+    branch_point: str = "boundary"
+    """Where a segment ends: 'boundary' (after segment_len tokens) or 'entropy': before the first token, after
+    min_segment_len, whose distribution's entropy reaches branch_entropy (at segment_len at the latest), so that the
+    paths branch where the policy is unsure. Only segments of a tree still below its width end early (one at full
+    width gets no new branch from its next round). The engines must report entropies (rollout.entropy)."""
+    branch_entropy: float = 1.0
+    """Entropy (nats) of the next-token distribution at which branch_point 'entropy' ends a segment."""
+    min_segment_len: int = 16
+    """Tokens a segment holds at least under branch_point 'entropy'."""
+    entropy_temperature: float = 0.5
+    """T of divergence_policy 'entropy': path k gets a share of the round's budget by softmax(H_k / T), H_k the
+    entropy where its next token is drawn (its branch_entropy when its segment ended at an uncertain token, else the
+    mean entropy of its segment's tokens)."""
 
     def __post_init__(self) -> None:
         check_positive("TreePOConfig", width=self.width, max_depth=self.max_depth, segment_len=self.segment_len,
@@ -79,6 +93,13 @@ class TreePOConfig(PathLimits):
             raise ValueError(
                 f"TreePOConfig.divergence_policy {self.divergence_policy!r} is not one of {DIVERGENCE_POLICIES}"
             )
+        if self.branch_point not in BRANCH_POINTS:
+            raise ValueError(f"TreePOConfig.branch_point {self.branch_point!r} is not one of {BRANCH_POINTS}")
+        if not self.branch_entropy > 0 or not self.entropy_temperature > 0:
+            raise ValueError("TreePOConfig.branch_entropy and entropy_temperature must be > 0")
+        if self.branch_point == "entropy" and not 1 <= self.min_segment_len <= self.segment_len:
+            raise ValueError(f"TreePOConfig.min_segment_len {self.min_segment_len} must lie in [1, segment_len "
+                             f"{self.segment_len}]")
         if self.fallback_policy not in FALLBACK_POLICIES:
             raise ValueError(f"TreePOConfig.fallback_policy {self.fallback_policy!r} is not one of {FALLBACK_POLICIES}")
         self.check_limits()
@@ -171,7 +192,18 @@ class TreePOGrower(Grower):
             self.init_divergence = cfg.init_divergence
         self._stats["init_divergence"] = self.init_divergence
         self._stats["rounds"] = 0
-        self._ask(0, self.init_divergence, cfg.segment_len)
+        stop = cfg.branch_entropy if cfg.branch_point == "entropy" and self.init_divergence < cfg.width else 0.0
+        self._ask(0, self.init_divergence, cfg.segment_len, stop, cfg.min_segment_len)
+
+    def _next_entropy(self, node: int) -> float:
+        """Entropy where a child of `node` draws its first token: what stopped its segment there, else its segment's
+        mean (see TreePOConfig.entropy_temperature)."""
+        if node in self._branch_entropy:
+            return self._branch_entropy[node]
+        ent = self.tree.entropy[node]
+        if not ent:
+            raise ValueError("divergence_policy 'entropy' needs the engines' entropies (rollout.entropy: true)")
+        return float(np.mean(ent))
 
     def _grow(self, ask: Ask, nodes: list[int]) -> None:
         self._round.extend(nodes)
@@ -196,14 +228,19 @@ class TreePOGrower(Grower):
                 self._stats["budget_transfers"] += 1
             if cfg.divergence_policy == "uniform":
                 shares = allocate_uniform(total, len(active), self.rng)
+            elif cfg.divergence_policy == "entropy":
+                shares = allocate_logprob(total, [self._next_entropy(n) for n in active], cfg.entropy_temperature, 1.0)
+                self._stats["entropy_branchings"] += int(len(active) > 1)
             else:
                 sign = 1.0 if cfg.divergence_policy == "logprob_high" else -1.0
                 seg_lp = [sum(self.tree.logprobs[n]) for n in active]  # log-prob of the whole segment
                 shares = allocate_logprob(total, seg_lp, cfg.logprob_temperature, sign)
                 self._stats["logprob_branchings"] += int(len(active) > 1)
             self.history.append(BudgetStep(depth, finished, len(finished_now), len(active), total, shares))
+            # A tree at its width after this round branches no more, but where paths finish (fallback, a transfer).
+            stop = cfg.branch_entropy if cfg.branch_point == "entropy" and total + finished < cfg.width else 0.0
             for n, k in zip(active, shares):
-                self._ask(n, k, cfg.segment_len)
+                self._ask(n, k, cfg.segment_len, stop, cfg.min_segment_len)
             return
         self.history.append(BudgetStep(depth, finished, len(finished_now), 0, 0, []))
         if finished < cfg.width:
