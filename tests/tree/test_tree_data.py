@@ -2,6 +2,7 @@ import math
 
 import pytest
 
+from treepo_ray.tree import branch_metrics, branch_points
 from treepo_ray.tree.tree import Tree
 
 
@@ -90,3 +91,29 @@ def test_keep_trajectories_leaves_the_others_out_as_if_never_sampled():
     kept.set_trajectory_rewards([1.0, 0.0])
     assert kept.reward[0] == 0.5
     assert t.keep_trajectories([]).parent == [-1] and t.keep_trajectories([]).trajectories == []
+
+
+def test_branch_points_are_informative_when_their_children_end_differently():
+    t = Tree(prompt_ids=[1, 2])
+    a = t.add_node(0, [5, 6], [-1.0, -1.0], entropy=[2.0, 0.5])
+    b = t.add_node(0, [7], [-1.0], entropy=[2.0])
+    a1 = t.add_node(a, [8], [-1.0], entropy=[1.0])
+    a2 = t.add_node(a, [9, 9], [-1.0, -1.0], entropy=[1.0, 0.25])
+    b1 = t.add_node(b, [3], [-1.0], entropy=[0.5])
+    b2 = t.add_node(b, [4], [-1.0], entropy=[0.5])
+    t.trajectories = [a1, a2, b1, b2]
+    t.set_trajectory_rewards([1.0, 0.0, 0.0, 0.0])  # a: 0.5, b: 0.0
+    assert branch_points(t) == [(0, [a, b], True), (a, [a1, a2], True), (b, [b1, b2], False)]
+    m = branch_metrics([t])
+    assert m["tree/branch_points"] == 3 and m["tree/informative_branches"] == pytest.approx(2 / 3)
+    assert m["tree/informative_branches_depth0"] == 1 and m["tree/informative_branches_depth1"] == 0.5
+    assert m["tree/tokens_per_informative_branch"] == 8 / 2
+    assert m["tree/branch_entropy"] == pytest.approx((2.0 + 1.0 + 0.5) / 3)
+    assert m["tree/token_entropy"] == pytest.approx((2.0 + 0.5 + 2.0 + 1.0 + 1.0 + 0.25 + 0.5 + 0.5) / 8)
+    flat = Tree(prompt_ids=[1])  # no entropies reported, one child with a reward: no branch point
+    flat.trajectories = [flat.add_node(0, [4], [-1.0])]
+    flat.set_trajectory_rewards([1.0])
+    m = branch_metrics([flat])
+    assert m["tree/branch_points"] == 0 and math.isnan(m["tree/informative_branches"])
+    assert math.isnan(m["tree/branch_entropy"])
+    assert Tree.from_dict(t.to_dict()).entropy == t.entropy

@@ -29,7 +29,7 @@ from treepo_ray.data.prompts import PromptStream
 from treepo_ray.engines.decode import safe_decode
 from treepo_ray.learner.batch import train_trees
 from treepo_ray.runtime.verifier import verification_metrics
-from treepo_ray.tree import Tree
+from treepo_ray.tree import Tree, branch_metrics
 
 
 @dataclass
@@ -172,6 +172,7 @@ class BatchBuilder:
         metrics.update(verification_metrics(grown, cfg.runtime.faults.max_verify_failed_share))
         metrics.update(algo.spec.metrics(grown, weights))
         metrics.update(forward_metrics(grown))
+        metrics.update(branch_metrics(grown))
         # Engine time since the previous batch was done (the scaling policy's busy figure): batches may grow at the
         # same time, so this cannot be told apart by batch; summed over a run, it is the run's total.
         since, _ = self.engine_figures()

@@ -1,5 +1,6 @@
 """Layer 1: the rollout tree as data and the growth state machines (pure Python + numpy)."""
 
+from treepo_ray.tree.branches import branch_metrics, branch_points
 from treepo_ray.tree.growth import (
     Ask,
     Grower,
@@ -39,6 +40,8 @@ __all__ = [
     "allocate_logprob",
     "allocate_uniform",
     "branch_budget",
+    "branch_metrics",
+    "branch_points",
     "growth_counters",
     "has_complete_boxed",
     "has_repetition",
