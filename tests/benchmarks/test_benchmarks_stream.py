@@ -49,3 +49,21 @@ def test_stream_runs_each_engine_spec_with_its_own_arguments(tmp_path):
     assert cli(["bench", "stream", *TINY, "--engine", "hf:attention_blocks"]) == 2  # not key=value
     with pytest.raises(ValueError, match="attention_blocks must be >= 1"):  # the arguments reach the engine
         cli(["bench", "stream", *TINY, "--prompts", "1", "--engine", "hf:attention_blocks=0"])
+
+
+def test_stream_entropy_cost_runs_the_tree_stream_with_entropy_off_and_on(tmp_path, capsys):
+    out = tmp_path / "stream.json"
+    assert cli(["bench", "stream", *TINY, "--prompts", "4", "--max-batch-size", "8", "--entropy-cost",
+                "--json", str(out)]) == 0
+    hf = json.loads(out.read_text())["engines"]["hf"]
+    off, on = hf["entropy_off"], hf["entropy_on"]
+    for m in (off, on):
+        assert m["generated_tokens"] == 4 * 10 * 4  # the tree stream of the test above
+        assert 0 < m["engine_s"] <= m["wall_s"]
+        assert m["decode_tok_per_s"] == pytest.approx(m["generated_tokens"] / m["engine_s"])
+    assert (off["entropy_tokens"], on["entropy_tokens"]) == (0, on["generated_tokens"])
+    r = hf["ratios"]
+    assert r["decode_tok_per_s"] == pytest.approx(on["decode_tok_per_s"] / off["decode_tok_per_s"])
+    assert r["tok_per_s"] == pytest.approx(on["tok_per_s"] / off["tok_per_s"]) and r["cpu_tok_per_s"] > 0
+    assert r["same_tokens"]  # the same seeds and trees: reporting the entropy changes no token
+    assert "entropy on/off" in capsys.readouterr().out

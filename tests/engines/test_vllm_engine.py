@@ -12,6 +12,7 @@ picks often (about a fifth of the mass) unless the engine masks them.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -294,3 +295,83 @@ def test_aligned_tree_children_recompute_only_their_parents_last_token(engine):
     # blocks + 8); the root's children too, as the prompt's first block is still cached from the tree above.
     unaligned = grow([plain], engine, sampled, stop_at_eos=False)
     assert unaligned["prefill_tokens"] == 2 * 8 + 8 * later
+
+
+def _hf_entropy_terms(model, prefix: list[int], continuation: list[int], temperature: float, top_k: int = 0):
+    """Per continuation token: the exact entropy of the distribution it was drawn from (the model's at
+    `temperature` over the tokenizer's ids, renormalised over the top_k most likely where top_k > 0) and the
+    engine's lower bound computed from the same distribution's 20 most likely tokens."""
+    from treepo_ray.engines.vllm import ENTROPY_TOP_K, entropy_lower_bound
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix + continuation])).logits[0, :, :TOKENIZER_VOCAB].double() / temperature
+    logits = logits[len(prefix) - 1 : len(prefix) + len(continuation) - 1]
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    logp = logits.log_softmax(-1)
+    exact = torch.special.entr(logp.exp()).sum(-1)
+    bound = entropy_lower_bound(logp.topk(ENTROPY_TOP_K, dim=-1).values.numpy())
+    return exact, torch.from_numpy(bound)
+
+
+def test_entropies_are_lower_bounds_of_the_sampling_distributions_entropy(engine, models):
+    """Each token's entropy is the bound from the 20 most likely tokens of the distribution at the sampling
+    temperature (over the tokenizer's ids), at most the exact entropy (Hugging Face on the same model); with top_k
+    at most 20 those tokens hold all the mass and it is exact. Asking for it changes no token or log-prob."""
+    hf = models["a"][1]
+    prompt = _prompt(20, 30)
+    on, off = generate(engine, [
+        SegmentRequest(f"ent-{e}", prompt, 12, n=2, params=SamplingParams(0.8, seed=5, entropy=e)) for e in (1, 0)])
+    assert all(c.entropies is None and c.branch_entropy is None for c in off.children)
+    for child, plain in zip(on.children, off.children):
+        assert (child.token_ids, child.logprobs) == (plain.token_ids, plain.logprobs)
+        assert len(child.entropies) == len(child.token_ids) == 12 and child.finish_reason == "length"
+        ent = torch.tensor(child.entropies, dtype=torch.float64)
+        assert (ent >= 0).all() and (ent <= math.log(TOKENIZER_VOCAB)).all()
+        exact, bound = _hf_entropy_terms(hf, prompt, child.token_ids, 0.8)
+        assert torch.allclose(ent, bound, atol=1e-3)
+        assert (ent <= exact + 1e-4).all() and (ent < exact - 0.1).any()  # 258 ids: the 20 leave a real gap
+    (topk,) = generate(engine, [SegmentRequest("ent-k", prompt, 12, params=SamplingParams(0.8, top_k=5, seed=6,
+                                                                                            entropy=True))])
+    exact, _ = _hf_entropy_terms(hf, prompt, topk.children[0].token_ids, 0.8, top_k=5)
+    assert torch.allclose(torch.tensor(topk.children[0].entropies, dtype=torch.float64), exact, atol=1e-3)
+    # Greedy: the distribution at temperature 1, as its log-probs are.
+    (greedy,) = generate(engine, [SegmentRequest("ent-g", prompt, 6, params=SamplingParams(0.0, entropy=True))])
+    _, bound = _hf_entropy_terms(hf, prompt, greedy.children[0].token_ids, 1.0)
+    assert torch.allclose(torch.tensor(greedy.children[0].entropies, dtype=torch.float64), bound, atol=1e-3)
+
+
+def test_stop_entropy_cuts_children_after_min_new_tokens(engine, models):
+    """vLLM samples the whole segment; the engine cuts each child before its first token past min_new_tokens whose
+    entropy reaches stop_entropy, drops the rest (counted) and still reports what vLLM ran. A child continuing the
+    cut segment finds the blocks holding its kept tokens in the prefix cache."""
+    hf = models["a"][1]
+    prompt = _prompt(21, 62)
+    params = SamplingParams(1.0, seed=9, entropy=True)
+    (full,) = generate(engine, [SegmentRequest("cut-full", prompt, 10, n=3, params=params, stop_at_eos=False)])
+    before = engine.stats()["branch_discarded_tokens"]
+    (cut,) = generate(engine, [SegmentRequest("cut", prompt, 10, n=3, params=replace(params, entropy=False),
+                                              stop_at_eos=False, stop_entropy=1e-9, min_new_tokens=3)])
+    discarded = engine.stats()["branch_discarded_tokens"] - before
+    for c, f in zip(cut.children, full.children):
+        assert c.finish_reason == "branch" and c.token_ids == f.token_ids[:3]
+        assert c.logprobs == pytest.approx(f.logprobs[:3], abs=1e-4)
+        assert c.entropies == pytest.approx(f.entropies[:3], abs=1e-4) and len(c.entropies) == 3
+        assert c.branch_entropy == pytest.approx(f.entropies[3], abs=1e-4) and c.branch_entropy >= 1e-9
+    assert discarded == 3 * 7
+    assert cut.forward_tokens - (len(prompt) - cut.cached_tokens) == 3 * 9  # every sampled token but the last
+    (huge,) = generate(engine, [SegmentRequest("cut-none", prompt, 10, n=3, params=params, stop_at_eos=False,
+                                               stop_entropy=1e9, min_new_tokens=1)])
+    assert [(c.token_ids, c.finish_reason, c.branch_entropy) for c in huge.children] == [
+        (f.token_ids, "length", None) for f in full.children]
+    # With EOS on, a child that draws EOS within its first 3 tokens ends there ('eos'); every other is cut.
+    (eos,) = generate(engine, [SegmentRequest("cut-eos", prompt, 10, n=8, params=params, stop_entropy=1e-9,
+                                              min_new_tokens=3)])
+    assert all((c.finish_reason, len(c.token_ids)) == ("branch", 3)
+               or (c.finish_reason == "eos" and len(c.token_ids) <= 3) for c in eos.children)
+    # 62 + 3 = 65 tokens: blocks 0 and 1 (the prompt's last 30 and the 2 first kept tokens) come from the cache.
+    prefix = prompt + cut.children[0].token_ids
+    (child,) = generate(engine, [SegmentRequest("cut-child", prefix, 4, params=GREEDY)])
+    assert child.cached_tokens == 64 and child.children[0].token_ids == _hf_greedy(hf, prefix, 4)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        engine.add_requests([SegmentRequest("cut-bad", prompt, 4, stop_entropy=1.0)])

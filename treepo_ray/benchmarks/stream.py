@@ -21,6 +21,13 @@ per step), at_cap (share of steps whose batch was full) and the engine's time br
 sequential forward_tokens / tree forward_tokens, speedup = tree traj/s / sequential traj/s, speedup_over_bound, and
 the same speedup by process CPU time (cpu_speedup, cpu_speedup_over_bound). An engine that asks for aligned
 segments (vLLM: `segment_align`, its KV block size) gets them in both modes.
+
+`--entropy-cost` measures what reporting each token's entropy (SamplingParams.entropy) costs instead: the tree
+stream twice, the same prompts, seeds and trees, with the entropy off and on, each on its own engine and stepped in
+turn as above. Reported per side as well: engine_s (the engine's own time: its `time_*` phases), decode_tok_per_s
+(generated tokens per second of it) and entropy_tokens (tokens given an entropy); ratios: decode_tok_per_s (on /
+off), tok_per_s (on / off, by wall time), cpu_tok_per_s (on / off, by process CPU time) and same_tokens (both sides
+sampled the same tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from treepo_ray.benchmarks.engine import (MODES, PROMPTS, _jsonable, add_workload_args, build_model, engine_specs,
@@ -50,6 +58,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="prompts growing at once (0 = admit whenever the engine has room)")
     p.add_argument("--warmup-prompts", type=int, default=8, help="prompts of the untimed warm-up stream")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--entropy-cost", action="store_true",
+                   help="run the tree stream with SamplingParams.entropy off and on instead of tree vs sequential")
     return p.parse_args(argv)
 
 
@@ -58,9 +68,18 @@ def stream_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(f"#{i} {PROMPTS[i % len(PROMPTS)]}") for i in range(n)]
 
 
+def lanes(args) -> dict[str, tuple[str, SamplingParams]]:
+    """The streams run side by side: label -> (grower mode, sampling parameters)."""
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.entropy_cost:  # the same tree stream, each token's entropy reported or not
+        return {"entropy_off": ("tree", params), "entropy_on": ("tree", replace(params, entropy=True))}
+    return {m: (m, params) for m in MODES}
+
+
 def mode_report(r: dict, cpu_s: float) -> dict:
     phases = {k[len("time_"):-len("_s")]: v for k, v in r.items() if k.startswith("time_")}
-    phases["driver"] = max(r["wall_s"] - sum(phases.values()), 0.0)
+    engine_s = sum(phases.values())
+    phases["driver"] = max(r["wall_s"] - engine_s, 0.0)
     steps = max(r.get("steps", 0), 1)
     return {
         "trajectories": r["trajectories"],
@@ -70,6 +89,8 @@ def mode_report(r: dict, cpu_s: float) -> dict:
         "unique_tree_tokens": r["unique_tree_tokens"],
         "forward_over_unique": r["forward_tokens"] / r["unique_tree_tokens"],
         "tok_per_s": r["generated_tokens"] / r["wall_s"],
+        "engine_s": engine_s,
+        "decode_tok_per_s": r["generated_tokens"] / engine_s if engine_s else 0.0,
         "wall_s": r["wall_s"],
         "cpu_s": cpu_s,
         "steps": r.get("steps", 0),
@@ -80,24 +101,24 @@ def mode_report(r: dict, cpu_s: float) -> dict:
 
 
 def run_streams(engines: dict, prompts: list[list[int]], args, decode, bar=None, pace: dict | None = None) -> dict:
-    """Both modes' streams, stepped in turn; a mode's wall_s is the time of its own steps.
+    """Both lanes' streams (`lanes`), stepped in turn; a lane's wall_s is the time of its own steps.
 
-    `pace`: each mode's expected forward tokens per prompt (from the warm-up). With it, the mode whose share of its
+    `pace`: each lane's expected forward tokens per prompt (from the warm-up). With it, the lane whose share of its
     expected work is done is smaller steps next, so that both streams end together and every background load the
     machine goes through falls on both (plain alternation would leave the longer stream to run alone at the end).
     """
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     depth, seg = args.depth, args.segment_len
-    loops = {m: StreamLoop(make_growers(m, prompts, args, depth, seg, decode, getattr(engines[m], "segment_align", 0)),
-                           engines[m], params,
-                           stop_at_eos=False, progress=bar, in_flight=args.in_flight) for m in MODES}
-    start_fwd = {m: engines[m].stats()["forward_tokens"] for m in MODES}
+    loops = {m: StreamLoop(make_growers(mode, prompts, args, depth, seg, decode,
+                                        getattr(engines[m], "segment_align", 0)),
+                           engines[m], params, stop_at_eos=False, progress=bar, in_flight=args.in_flight)
+             for m, (mode, params) in lanes(args).items()}
+    start_fwd = {m: engines[m].stats()["forward_tokens"] for m in loops}
 
     def done_share(m: str) -> float:
         return (engines[m].stats()["forward_tokens"] - start_fwd[m]) / (pace[m] * len(prompts))
 
-    cpu = dict.fromkeys(MODES, 0.0)
-    active = list(MODES)
+    cpu = dict.fromkeys(loops, 0.0)
+    active = list(loops)
     while active:
         for m in [min(active, key=done_share)] if pace else list(active):
             start = time.process_time()
@@ -105,7 +126,18 @@ def run_streams(engines: dict, prompts: list[list[int]], args, decode, bar=None,
             cpu[m] += time.process_time() - start
             if not more:
                 active.remove(m)
-    out = {m: mode_report(loops[m].summary(), cpu[m]) for m in MODES}
+    out = {m: mode_report(loops[m].summary(), cpu[m]) for m in loops}
+    if args.entropy_cost:
+        off, on = out["entropy_off"], out["entropy_on"]
+        tokens = [[g.tree.tokens for g in loops[m].growers] for m in loops]
+        for m in loops:  # tokens whose entropy the engine reported (all of them with it on)
+            out[m]["entropy_tokens"] = sum(len(e) for g in loops[m].growers for e in g.tree.entropy)
+        cpu_rate = {m: out[m]["generated_tokens"] / out[m]["cpu_s"] for m in loops}
+        out["ratios"] = {"decode_tok_per_s": on["decode_tok_per_s"] / off["decode_tok_per_s"],
+                         "tok_per_s": on["tok_per_s"] / off["tok_per_s"],
+                         "cpu_tok_per_s": cpu_rate["entropy_on"] / cpu_rate["entropy_off"],
+                         "same_tokens": tokens[0] == tokens[1]}
+        return out
     s, t = out["sequential"], out["tree"]
     bound = s["forward_tokens"] / t["forward_tokens"]
     speedup = t["traj_per_s"] / s["traj_per_s"]
@@ -116,14 +148,20 @@ def run_streams(engines: dict, prompts: list[list[int]], args, decode, bar=None,
 
 
 def table(result: dict, engine: str) -> str:
-    lines = [f"{'engine':<6} {'mode':<10} {'traj':>5} {'gen_tok':>8} {'fwd_tok':>8} {'fwd/uniq':>8} {'steps':>6} "
-             f"{'batch':>6} {'at_cap':>6} {'wall_s':>7} {'traj/s':>7}"]
-    for mode in MODES:
-        m = result[mode]
-        lines.append(f"{engine:<6} {mode:<10} {m['trajectories']:>5} {m['generated_tokens']:>8} "
+    lines = [f"{'engine':<6} {'mode':<11} {'traj':>5} {'gen_tok':>8} {'fwd_tok':>8} {'fwd/uniq':>8} {'steps':>6} "
+             f"{'batch':>6} {'at_cap':>6} {'wall_s':>7} {'traj/s':>7} {'eng_s':>7} {'dec_tok/s':>9}"]
+    for mode, m in result.items():
+        if mode == "ratios":
+            continue
+        lines.append(f"{engine:<6} {mode:<11} {m['trajectories']:>5} {m['generated_tokens']:>8} "
                      f"{m['forward_tokens']:>8} {m['forward_over_unique']:>8.3f} {m['steps']:>6} "
-                     f"{m['mean_batch']:>6.1f} {m['at_cap']:>6.2f} {m['wall_s']:>7.2f} {m['traj_per_s']:>7.2f}")
+                     f"{m['mean_batch']:>6.1f} {m['at_cap']:>6.2f} {m['wall_s']:>7.2f} {m['traj_per_s']:>7.2f} "
+                     f"{m['engine_s']:>7.2f} {m['decode_tok_per_s']:>9.1f}")
     q = result["ratios"]
+    if "same_tokens" in q:
+        lines.append(f"{'':<6} entropy on/off  decode tok/s {q['decode_tok_per_s']:.3f}  wall tok/s "
+                     f"{q['tok_per_s']:.3f}  cpu-time tok/s {q['cpu_tok_per_s']:.3f}  same tokens {q['same_tokens']}")
+        return "\n".join(lines)
     lines.append(f"{'':<6} tree/seq   token_bound {q['token_bound']:.3f}  speedup {q['speedup']:.3f}  "
                  f"speedup/bound {q['speedup_over_bound']:.3f}  cpu-time speedup {q['cpu_speedup']:.3f} "
                  f"(/bound {q['cpu_speedup_over_bound']:.3f})")
@@ -160,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, engine_name, engine_kw in specs:
             kw = {"num_threads": args.threads} if args.threads > 0 and args.device == "cpu" else {}
             engines = {m: make_engine(engine_name, str(model_path), device=args.device,
-                                      max_batch_size=args.max_batch_size, **kw, **engine_kw) for m in MODES}
+                                      max_batch_size=args.max_batch_size, **kw, **engine_kw) for m in lanes(args)}
             bar = tqdm(total=2 * (args.warmup_prompts + args.prompts), desc=f"bench stream {name}", unit="tree",
                        disable=args.no_progress, file=sys.stderr)
             pace = None
             if args.warmup_prompts:  # allocations and kernels, untimed (its own prompts: nothing stays cached)
                 warm_prompts = stream_prompts(tokenizer, args.prompts + args.warmup_prompts)[args.prompts:]
                 warm = run_streams(engines, warm_prompts, args, tokenizer.decode, bar)
-                pace = {m: warm[m]["forward_tokens"] / args.warmup_prompts for m in MODES}
+                pace = {m: warm[m]["forward_tokens"] / args.warmup_prompts for m in engines}
             result = run_streams(engines, prompts, args, tokenizer.decode, bar, pace)
             bar.close()
             print(table(result, name))

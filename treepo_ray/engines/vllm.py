@@ -10,6 +10,10 @@ How the protocol maps onto vLLM:
 - the log-prob of each sampled token comes from `logprobs=0` under `logprobs_mode="processed_logprobs"`: the
   model's distribution at the sampling temperature, as the protocol asks (vLLM takes them after top-p/top-k, so
   they equal the hf engine's only with those off, the default);
+- entropies (`SamplingParams.entropy`, `stop_entropy`): the top ENTROPY_TOP_K log-probs of the same (processed)
+  distribution give a lower bound of each token's entropy (`entropy_lower_bound`); vLLM cannot stop a request from
+  its sampler, so `stop_entropy` cuts a finished child after the fact, before the first token past `min_new_tokens`
+  whose entropy reaches it (the tokens after it were sampled for nothing: stats' `branch_discarded_tokens`);
 - weights: `load_weights` reloads a state dict in place (any device), or a stream of (name, tensor) pairs consumed
   as they arrive (a broadcast's buckets: no second copy of the model on the GPU).
 
@@ -25,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from treepo_ray.engines.base import SegmentRequest, SegmentResult
@@ -51,6 +56,21 @@ def padding_mask(tokenizer_vocab: int, model_vocab: int) -> dict[int, float] | N
         raise ValueError(f"the model's embedding has {padded} rows past the tokenizer's {tokenizer_vocab} ids; vLLM "
                          f"masks at most {MAX_MASKED_IDS} per request (resize the embedding to the tokenizer)")
     return dict.fromkeys(range(tokenizer_vocab, model_vocab), float("-inf"))
+
+
+ENTROPY_TOP_K = 20
+"""Log-probs per token that an entropy is taken from: vLLM's default max_logprobs (the most a request may ask)."""
+
+
+def entropy_lower_bound(top: np.ndarray) -> np.ndarray:
+    """Per row of `top` (the K largest log-probs of a distribution): -sum p log p over them - r log r, the rest of
+    the mass r = 1 - sum p taken as one token. A lower bound of the entropy: every other token has p <= r, so its
+    -p log p >= -p log r, and those add up to at least -r log r."""
+    p = np.exp(top)
+    plogp = p * np.where(p > 0, top, 0.0)  # masked tokens (-inf) hold no mass
+    r = np.clip(1.0 - p.sum(axis=1), 0.0, None)
+    rest = r * np.log(np.where(r > 0, r, 1.0))
+    return np.maximum(-plogp.sum(axis=1) - rest, 0.0)
 
 
 _FINISH_REASONS = {"stop": "eos", "length": "length"}
@@ -97,6 +117,8 @@ class _Counters:
     """vLLM's max_num_seqs (the batch's cap)."""
     open_sequences: int = 0
     """Children of running or waiting requests not yet finished (the `open_sequences` gauge of stats())."""
+    branch_discarded_tokens: int = 0
+    """Tokens sampled past a `stop_entropy` cut and dropped (vLLM ran them; no segment holds them)."""
 
 
 def _make_stat_logger(counters: _Counters):
@@ -205,7 +227,8 @@ class VLLMEngine:
         engine_kwargs: any `vllm.EngineArgs` field (dtype, max_model_len, gpu_memory_utilization, seed, ...).
             Defaults set here: enable_prefix_caching=True, generation_config='vllm' (the model's generation
             config must not add sampling defaults such as a repetition penalty behind the protocol's back),
-            logprobs_mode='processed_logprobs' (log-probs at the sampling temperature);
+            logprobs_mode='processed_logprobs' (log-probs, and the entropies taken from them, at the sampling
+            temperature; max_logprobs must stay >= ENTROPY_TOP_K for entropies);
             on CPU also dtype='float32' (vLLM would downcast a float32 checkpoint to bf16), enforce_eager=True
             (compiling costs minutes on a few cores), block_size=32 (the CPU attention kernel needs multiples of
             32; small blocks let more of a tree's prefixes be reused), enable_chunked_prefill=False (see below)
@@ -269,6 +292,7 @@ class VLLMEngine:
             self._check_request(req)
         for req in requests:
             p = req.params
+            entropy = p.entropy or req.stop_entropy > 0
             params = VllmSamplingParams(
                 # Greedy children are all alike (and vLLM refuses greedy n > 1): sample one, copy it in `step`.
                 n=1 if p.temperature == 0 else req.n,
@@ -278,7 +302,9 @@ class VLLMEngine:
                 seed=p.seed,  # vLLM gives child j the seed `seed + j`, as the protocol does
                 max_tokens=req.max_new_tokens,
                 ignore_eos=not req.stop_at_eos,
-                logprobs=0,  # just the sampled token's log-prob
+                # The sampled token's log-prob, and the most likely tokens' where an entropy is needed.
+                logprobs=ENTROPY_TOP_K if entropy else 0,
+                flat_logprobs=True,  # plain lists, not a dict of Logprob objects per token
                 detokenize=False,  # the protocol carries token ids only
                 logit_bias=self._padding_bias,
                 output_kind=RequestOutputKind.FINAL_ONLY,
@@ -309,6 +335,9 @@ class VLLMEngine:
             raise ValueError(f"{where}: prefix_ids[{pos}] = {tok} is outside the tokenizer's vocabulary [0, {vocab})")
         if req.params.temperature < 0 or not 0 < req.params.top_p <= 1 or req.params.top_k < 0:
             raise ValueError(f"{where}: bad sampling params {req.params}")
+        if req.stop_entropy < 0 or req.min_new_tokens < 0 or (req.stop_entropy > 0 and req.min_new_tokens < 1):
+            raise ValueError(f"{where}: stop_entropy ({req.stop_entropy}) must be >= 0 and min_new_tokens "
+                             f"({req.min_new_tokens}) >= 1 when it is on (a segment holds a token at least)")
 
     def step(self) -> list[SegmentResult]:
         """Run one vLLM scheduler iteration; return the requests whose children have all finished."""
@@ -319,14 +348,15 @@ class VLLMEngine:
             if not out.finished:  # FINAL_ONLY returns finished requests only; be safe anyway
                 continue
             req = self._pending.pop(out.request_id)
-            children = [self._segment(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            outputs = sorted(out.outputs, key=lambda c: c.index)
+            children = [self._segment(c, req) for c in outputs]
             # This request's own figure (SegmentResult.forward_tokens): its prefix less what vLLM's prefix cache
             # served (`num_cached_tokens`, the prefix's cached part), counted once for its children, plus every
-            # sampled token but each child's last. vLLM runs each of n children as its own sequence; a child whose
-            # prefix was not yet cached when it was scheduled computes it again, which this figure does not see
-            # (the engine-wide `prefill_tokens` does).
+            # sampled token but each child's last (before any stop_entropy cut: vLLM ran them). vLLM runs each of n
+            # children as its own sequence; a child whose prefix was not yet cached when it was scheduled computes
+            # it again, which this figure does not see (the engine-wide `prefill_tokens` does).
             cached = min(int(out.num_cached_tokens or 0), len(req.prefix_ids))
-            fed = len(req.prefix_ids) - cached + sum(max(len(c.token_ids) - 1, 0) for c in children)
+            fed = len(req.prefix_ids) - cached + sum(max(len(c.token_ids) - 1, 0) for c in outputs)
             self._counters.sequences += len(children)
             self._counters.open_sequences -= len(children)
             if req.params.temperature == 0 and len(children) == 1:
@@ -341,19 +371,35 @@ class VLLMEngine:
         self._counters.time_step_s += time.perf_counter() - start
         return results
 
-    def _segment(self, out) -> Segment:
+    def _segment(self, out, req: SegmentRequest) -> Segment:
         token_ids = list(out.token_ids)
         vocab = self.info.tokenizer_vocab
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:  # cannot happen while the logit bias masks the padding; never hand on undecodable ids
             raise RuntimeError(f"vLLM sampled token ids outside the tokenizer's vocabulary: {bad[:5]}")
-        if out.logprobs is None or len(out.logprobs) != len(token_ids):
-            raise RuntimeError("vLLM returned no per-token log-probs (logprobs=0 was requested)")
-        logprobs = [pos[tok].logprob for pos, tok in zip(out.logprobs, token_ids)]
         reason = _FINISH_REASONS.get(out.finish_reason)
         if reason is None:
             raise RuntimeError(f"unexpected vLLM finish reason {out.finish_reason!r}")
-        return Segment(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, cache_key=None)
+        entropy = req.params.entropy or req.stop_entropy > 0
+        width = 1 + (ENTROPY_TOP_K if entropy else 0)
+        # FlatLogprobs: per token the sampled token's entry, then the top-k in rank order (the sampled one again
+        # if it is among them).
+        lp = out.logprobs
+        if lp is None or len(lp) != len(token_ids) or len(lp.logprobs) != width * len(token_ids):
+            raise RuntimeError(f"vLLM returned no {width} log-probs per token (logprobs={width - 1} was requested)")
+        table = np.asarray(lp.logprobs, dtype=np.float64).reshape(len(token_ids), width)
+        seg = Segment(token_ids=token_ids, logprobs=table[:, 0].tolist(), finish_reason=reason, cache_key=None)
+        if not entropy:
+            return seg
+        seg.entropies = entropy_lower_bound(table[:, 1:]).tolist()
+        if req.stop_entropy > 0:
+            cut = next((i for i in range(req.min_new_tokens, len(token_ids))
+                        if seg.entropies[i] >= req.stop_entropy), None)
+            if cut is not None:  # the child ends before that token: its own children will diverge there
+                self._counters.branch_discarded_tokens += len(token_ids) - cut
+                seg = Segment(token_ids[:cut], seg.logprobs[:cut], "branch", None, seg.entropies[:cut],
+                              branch_entropy=seg.entropies[cut])
+        return seg
 
     def _oldest_version(self, out) -> int:
         """The oldest weights version that sampled any token of this request (weights may change mid-request)."""
@@ -392,6 +438,7 @@ class VLLMEngine:
             "steps": c.steps,
             "step_sequences": c.step_sequences,
             "steps_at_cap": c.steps_at_cap,
+            "branch_discarded_tokens": c.branch_discarded_tokens,
             "weights_version": self._version,
             "time_add_s": c.time_add_s,
             "time_step_s": c.time_step_s,
