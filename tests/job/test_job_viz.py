@@ -5,7 +5,7 @@ import json
 import pytest
 
 from treepo_ray.config import UserError
-from treepo_ray.job.viz import layout, main as viz_main, render_html, reward_colour
+from treepo_ray.job.viz import branch_entropies, entropy_colour, layout, main as viz_main, render_html, reward_colour
 from treepo_ray.tree import Tree
 
 
@@ -42,6 +42,29 @@ def test_viz_writes_a_self_contained_page(tmp_path, capsys):
     assert viz_main([str(tmp_path), "--step", "2", "--out", str(tmp_path / "two.html")]) == 0
     assert (tmp_path / "two.html").read_text().count("<svg") == 1
     assert "q2" in render_html([saved_tree(2)], "t")
+
+
+def test_branch_points_are_coloured_by_their_entropy(tmp_path):
+    t = Tree(prompt_ids=[1, 2], query_id="q")
+    a = t.add_node(0, [3, 4], [-0.1, -0.2], entropy=[0.5, 0.1])
+    t.trajectories = [t.add_node(a, [5], [-0.3], "eos", entropy=[1.2]),
+                      t.add_node(a, [6], [-0.4], "eos", entropy=[1.2]), t.add_node(0, [7], [-1.0], "eos", entropy=[0.5])]
+    t.set_trajectory_rewards([1.0, 0.0, 1.0])
+    rec = {"step": 1, **json.loads(json.dumps(t.to_dict())), "prompt_text": "p", "texts": [""] * 5}
+    assert branch_entropies(rec) == {0: 0.5, 1: 1.2}  # the root and node 1, from their first child's first token
+    assert entropy_colour(0.0, 1.2) == "#ebe6ff" and entropy_colour(1.2, 1.2) == entropy_colour(3.0, 1.2) == "#3c008c"
+    with (tmp_path / "trees.jsonl").open("w") as f:
+        f.write(json.dumps(rec) + "\n")
+    assert viz_main([str(tmp_path)]) == 0
+    page = (tmp_path / "trees.html").read_text()
+    assert page.count("<circle") == 2  # the leaves and node 4 branch nowhere
+    assert "<title>branch point 1: entropy 1.200 nats</title>" in page and "entropy at branch 0.500" in page
+    assert f'fill="{entropy_colour(1.2, 1.2)}"' in page and "Dots mark branch points" in page and "1.20" in page
+
+    plain = saved_tree(2)
+    assert "<circle" not in render_html([plain], "t") and "Dots mark" not in render_html([plain], "t")
+    del plain["entropy"]  # a tree saved before trees carried entropies renders as before
+    assert "<circle" not in render_html([plain], "t") and branch_entropies(plain) == {}
 
 
 def test_viz_of_a_run_without_trees_is_a_clear_error(tmp_path):

@@ -1,28 +1,38 @@
 """Algorithms side by side over time: the same task, base model and budget for each; held-out accuracy curves.
 
-    treepo-ray compare [config.yaml] [--algos grpo,dapo,treepo] [--seeds 2] [--first-seed 0]
+    treepo-ray compare [config.yaml] [--algos grpo,dapo,treepo[key=value,...]] [--seeds 2] [--first-seed 0]
                        [--budget-s S | --budget-tokens N] [--eval-points N] [--out DIR] [--json FILE] [key=value ...]
 
 Default config: jobs/configs/cpu.yaml (the tiny base model on the default synthetic task, local Ray). One set-up
 (model, data, Ray: runtime/cluster.py `set_up`), then for every seed, every algorithm in turn (so a change in the
 host's speed part way through falls on all of them), a fresh run (the job's own actors and loop) trained until its budget
 is spent: the same wall-clock training time for every run (`--budget-s`, the default), or the same number of
-sampled tokens (`--budget-tokens`). Held-out accuracy (the job's evaluation: trainer.eval_size problems,
-trainer.eval_samples answers each at trainer.eval_temperature, fixed seeds) is taken of the weights published first
-after each of `--eval-points` evenly spaced marks of the budget, and of the final weights: they are kept during
-training and scored after it by one evaluator with every engine the cluster has room for, so a run's clock holds
-training only. A curve point is placed where its weights were published: the training wall time and the tokens
-sampled up to then. Schedules over training (TreePO's log-prob temperature) run over the budget: a batch's point on
-them is the share of the budget spent when it starts.
+sampled tokens (`--budget-tokens`). An algorithm may also run as a variant, `name[key=value,key=value]` in
+`--algos` (`treepo,treepo[rollout.treepo.branch_point=entropy]`): its overrides go on top of the config and the
+command's own overrides, for that variant's training runs only (the model, data and held-out evaluation are the
+command's, shared by all), and it is named by its spec as written; GRPO's figures below are plain `grpo`'s. Held-out
+accuracy (the job's evaluation: trainer.eval_size problems, trainer.eval_samples answers each at
+trainer.eval_temperature, fixed seeds) is taken of the weights published first after each of `--eval-points` evenly
+spaced marks of the budget, and of the final weights: they are kept during training and scored after it by one
+evaluator with every engine the cluster has room for, so a run's clock holds training only. A curve point is placed
+where its weights were published: the training wall time and the tokens sampled up to then. Schedules over training
+(TreePO's log-prob temperature) run over the budget: a batch's point on them is the share of the budget spent when it
+starts.
 
-The JSON holds `algorithms.<name>.runs` (one per seed: `seed`, `curve` as [wall_s, sampled_tokens,
-heldout_accuracy] rows, `final_accuracy`, `wall_s`, `started_s` (after the comparison's start), and where the time
-went), `.final_accuracy` (mean over seeds), `.time_to_grpo_final_s` and `.tokens_to_grpo_final` (mean over seeds
-of the first curve point at or above GRPO's mean final accuracy; null when a seed never gets there),
-`.tree_counters` (growth mechanism -> total over its runs), and for CATPO `.heal_rate` (share of the dead-wrong
-trees it healed that gained a correct branch), its healing cost in tokens, and `.vs_treerpo` (both at equal sampled
-tokens, linear between evaluated points) when TreeRPO ran too. It prints a table and draws accuracy against wall
-time and against sampled tokens (mean and min-max band over seeds) as PNGs.
+The JSON holds `algorithms.<spec>.runs` (one per seed: `seed`, `curve` as [wall_s, sampled_tokens,
+heldout_accuracy] rows, `final_accuracy`, `wall_s`, `started_s` (after the comparison's start), where the time went,
+`branches`, and `time_to_grpo_final_s` and `tokens_to_grpo_final`: the first curve point at or above GRPO's mean
+final accuracy, null when never), `.final_accuracy` (mean over seeds), `.time_to_grpo_final_s` and
+`.tokens_to_grpo_final` (mean over seeds; null when a seed never gets there), `.tree_counters` (growth mechanism ->
+total over its runs), `.branches` (whether branches were worth their tokens, tree/branches.py, from the per-step
+metrics: `informative_share`, informative branch points over all of them, each step's share weighted by its branch
+points; `informative_share_by_depth` at depths 0..3 (the last holds the deeper ones), weighted the same way;
+`branch_points`, the run's total; `tokens_per_informative_branch`, `branch_entropy` and `token_entropy`, means over
+steps; an algorithm's: its runs' figures weighted by their branch points, the rest means over seeds; null where no
+step had one), and for CATPO `.heal_rate` (share of the dead-wrong trees it healed that gained a correct branch),
+its healing cost in tokens, and `.vs_treerpo` (both at equal sampled tokens, linear between evaluated points) when
+TreeRPO ran too. It prints a table and draws accuracy against wall time and against sampled tokens (mean and min-max
+band over seeds) as PNGs.
 """
 
 from __future__ import annotations
@@ -38,17 +48,68 @@ from pathlib import Path
 import numpy as np
 
 from treepo_ray.algo import ALGORITHMS
+from treepo_ray.config import UserError
 from treepo_ray.job.config import DEFAULT_CONFIG, TrainConfig, load_config, resolve_config
 from treepo_ray.job.redact import redacted_overrides
+from treepo_ray.tree.branches import DEPTHS
 
 DEFAULT_ALGOS = ("grpo", "dapo", "treepo")
 BASELINE = "grpo"
+SET_BY_COMPARE = ("algo.name", "trainer.seed", "learner.seed")
+"""Keys compare sets for every run itself: a variant may not set them."""
+
+
+def split_outside_brackets(text: str) -> list[str] | None:
+    """`text` split on the commas outside [...]; None when its brackets do not pair up."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0:
+            break
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return None if depth else [*parts, text[start:]]
+
+
+def parse_algos(text: str) -> dict[str, tuple[str, list[str]]]:
+    """`--algos`: spec -> (algorithm, its overrides), in order. A spec is an algorithm's name, or a variant of it
+    `name[key=value,key=value]` (a value may hold bracketed commas); UserError on a malformed or repeated spec."""
+    specs = split_outside_brackets(text)
+    if specs is None:
+        raise UserError(f"{text!r}: unbalanced brackets")
+    algos: dict[str, tuple[str, list[str]]] = {}
+    for spec in (s.strip() for s in specs):
+        if not spec:
+            continue
+        name, bracket, rest = spec.partition("[")
+        overrides = []
+        if bracket:
+            overrides = (split_outside_brackets(rest[:-1]) if rest.endswith("]") else None) or []
+            overrides = [o.strip() for o in overrides]
+            if not overrides or not all(overrides):
+                raise UserError(f"{spec!r}: write a variant as name[key=value,key=value]")
+        if name not in ALGORITHMS:
+            raise UserError(f"{name!r}: choose from {', '.join(ALGORITHMS)}")
+        for o in overrides:
+            key, eq, _ = o.partition("=")
+            if not eq or not key:
+                raise UserError(f"{spec!r}: {o!r} is not a key=value override")
+            if key in SET_BY_COMPARE:
+                raise UserError(f"{spec!r}: compare sets {key} itself")
+        if (name, overrides) in algos.values():  # the same runs twice (spaces aside)
+            raise UserError(f"{spec!r} is given twice")
+        algos[spec] = (name, overrides)
+    if not algos:
+        raise UserError(f"(empty): choose from {', '.join(ALGORITHMS)}")
+    return algos
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] | int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="treepo-ray compare", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: cpu.yaml)")
-    ap.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated, of {', '.join(ALGORITHMS)}")
+    ap.add_argument("--algos", default=",".join(DEFAULT_ALGOS),
+                    help=f"comma-separated, of {', '.join(ALGORITHMS)}; a variant: name[key=value,key=value]")
     ap.add_argument("--seeds", type=int, default=2,
                     help="runs per algorithm (trainer.seed = learner.seed = first seed, first seed + 1, ...)")
     ap.add_argument("--first-seed", type=int, default=0,
@@ -68,11 +129,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]] |
         return 2
     if "=" in args.config:
         overrides, args.config = [args.config, *overrides], str(DEFAULT_CONFIG)
-    args.algos = [a for a in args.algos.split(",") if a]
-    unknown = [a for a in args.algos if a not in ALGORITHMS]
-    if unknown or not args.algos:
-        print(f"treepo-ray compare: --algos {unknown or '(empty)'}: choose from {', '.join(ALGORITHMS)}",
-              file=sys.stderr)
+    try:
+        args.algos = parse_algos(args.algos)  # spec -> (algorithm, overrides)
+    except UserError as err:
+        print(f"treepo-ray compare: --algos {err}", file=sys.stderr)
         return 2
     if args.seeds < 1 or args.first_seed < 0 or args.eval_points < 0:
         print("treepo-ray compare: --seeds must be >= 1, --first-seed and --eval-points >= 0", file=sys.stderr)
@@ -87,6 +147,21 @@ def run_config(path: str, overrides: list[str], algo: str, seed: int) -> TrainCo
     """One run's config: the file and overrides, then the algorithm (its own loss preset) and the seed."""
     return load_config(resolve_config(path),
                        [*overrides, f"algo.name={algo}", f"trainer.seed={seed}", f"learner.seed={seed}"])
+
+
+def run_configs(args: argparse.Namespace, overrides: list[str]) -> tuple[dict, TrainConfig]:
+    """Every run's config, (spec, seed) -> config, seed by seed and every spec in turn (so a change in the host's
+    speed part way through falls on all of them), and the shared one (the command's, without a variant's overrides:
+    model, data, evaluation). All loaded up front: a bad key or value stops the command before anything runs."""
+    shared = run_config(args.config, overrides, next(iter(args.algos.values()))[0], args.seed_list[0])
+    cfgs = {}
+    for seed in args.seed_list:
+        for spec, (name, extra) in args.algos.items():
+            try:
+                cfgs[(spec, seed)] = run_config(args.config, [*overrides, *extra], name, seed)
+            except ValueError as err:
+                raise UserError(f"--algos {spec!r}: {err}") from None
+    return cfgs, shared
 
 
 def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: float | None, eval_points: int) -> dict:
@@ -142,6 +217,7 @@ def train_run(job, cfg: TrainConfig, budget_s: float | None, budget_tokens: floa
     total = lambda key: float(sum(r.get(key, 0.0) for r in rows))  # noqa: E731
     out = {"seed": tr.seed, "wall_s": clock["wall"], "sampled_tokens": clock["tokens"], "steps": done,
            "tree_counters": {k.split("/", 1)[1]: total(k) for k in rows[0] if k.startswith("growth/")} if rows else {},
+           "branches": branch_figures(rows),
            # Batches may grow at once (runtime/loop.py), so their growth times (rollout_s) can sum past the wall time;
            # engine_busy_s is what the engines spent running them.
            "time": {"rollout_s": total("timing_s/gen"), "engine_busy_s": total("perf/engine_busy_s"),
@@ -206,6 +282,48 @@ def mean_or_none(values: list) -> float | None:
     return None if not values or any(v is None for v in values) else float(np.mean(values))
 
 
+def known(v) -> bool:
+    return v is not None and not math.isnan(v)
+
+
+def mean_known(values: list) -> float | None:
+    """The mean of the values that are neither None nor NaN; None (null in the JSON) when there are none."""
+    values = [v for v in values if known(v)]
+    return float(np.mean(values)) if values else None
+
+
+def weighted_share(shares: list, weights: list) -> float | None:
+    """The mean of the known `shares` weighted by `weights` (branch points); None when no weight is left."""
+    pairs = [(s, w) for s, w in zip(shares, weights) if known(s) and w > 0]
+    total = sum(w for _, w in pairs)
+    return float(sum(s * w for s, w in pairs) / total) if total else None
+
+
+PLAIN_MEANS = ("tokens_per_informative_branch", "branch_entropy", "token_entropy")
+"""Branch figures averaged plainly (over steps, then over seeds); the shares are weighted by branch points."""
+
+
+def branch_figures(rows: list[dict]) -> dict:
+    """A run's `branches` from its per-step metrics (tree/branches.py `branch_metrics`). The per-depth shares are
+    weighted by the step's branch points too (the metrics do not count branch points by depth)."""
+    points = [r.get("tree/branch_points", 0.0) for r in rows]
+    share = lambda key: weighted_share([r.get(key) for r in rows], points)  # noqa: E731
+    return {"informative_share": share("tree/informative_branches"), "branch_points": float(sum(points)),
+            "informative_share_by_depth": [share(f"tree/informative_branches_depth{d}") for d in range(DEPTHS)],
+            **{k: mean_known([r.get(f"tree/{k}") for r in rows]) for k in PLAIN_MEANS}}
+
+
+def combined_branches(runs: list[dict]) -> dict:
+    """An algorithm's `branches`: its runs' shares weighted by their branch points, the rest means over seeds."""
+    b = [r["branches"] for r in runs]
+    points = [x["branch_points"] for x in b]
+    return {"informative_share": weighted_share([x["informative_share"] for x in b], points),
+            "branch_points": float(np.mean(points)),
+            "informative_share_by_depth": [weighted_share([x["informative_share_by_depth"][d] for x in b], points)
+                                           for d in range(DEPTHS)],
+            **{k: mean_known([x[k] for x in b]) for k in PLAIN_MEANS}}
+
+
 def accuracy_at(curve: list, x: float, column: int) -> float:
     """The accuracy of the last curve point at or before `x` (wall s or tokens)."""
     return [row[2] for row in curve if row[column] <= x + 1e-9][-1]
@@ -219,7 +337,8 @@ def interpolated_accuracy(curve: list, x: float, column: int) -> float:
 
 
 def summarise(algos: dict) -> dict:
-    """Means over seeds, the time and tokens to GRPO's final accuracy, tree counters, CATPO's healing."""
+    """Means over seeds, the time and tokens to GRPO's final accuracy, tree counters and branches, CATPO's
+    healing. `algos`: spec -> {"runs": [...]}; the baseline is plain `grpo`."""
     for a in algos.values():
         finals = [r["final_accuracy"] for r in a["runs"]]
         a["final_accuracy"] = float(np.mean(finals))
@@ -231,24 +350,28 @@ def summarise(algos: dict) -> dict:
             for k, v in r["tree_counters"].items():
                 counters[k] = counters.get(k, 0.0) + v
         a["tree_counters"] = counters
+        a["branches"] = combined_branches(a["runs"])
     if BASELINE in algos:
         target = algos[BASELINE]["final_accuracy"]
         for a in algos.values():
-            a["time_to_grpo_final_s"] = mean_or_none([first_reaching(r["curve"], target, 0) for r in a["runs"]])
-            a["tokens_to_grpo_final"] = mean_or_none([first_reaching(r["curve"], target, 1) for r in a["runs"]])
-    if "catpo" in algos:
-        c = algos["catpo"]
+            for r in a["runs"]:  # each run's own, to compare seed by seed
+                r["time_to_grpo_final_s"] = first_reaching(r["curve"], target, 0)
+                r["tokens_to_grpo_final"] = first_reaching(r["curve"], target, 1)
+            a["time_to_grpo_final_s"] = mean_or_none([r["time_to_grpo_final_s"] for r in a["runs"]])
+            a["tokens_to_grpo_final"] = mean_or_none([r["tokens_to_grpo_final"] for r in a["runs"]])
+    for c in algos.values():  # CATPO and its variants
+        if not all("healing" in r for r in c["runs"]):
+            continue
         heal = {k: sum(r["healing"][k] for r in c["runs"]) for k in c["runs"][0]["healing"]}
         c["heal_rate"] = heal["healed"] / heal["attempts"] if heal["attempts"] else None
         c["healing"] = {**heal, "share_of_sampled_tokens": heal["generated_tokens"] / max(
             sum(r["sampled_tokens"] for r in c["runs"]), 1.0)}
-        if "treerpo" in algos:  # both at the sampled tokens the shorter of the two reached
-            t = algos["treerpo"]
-            x = min(c["sampled_tokens"], t["sampled_tokens"])
-            at_x = {name: float(np.mean([interpolated_accuracy(r["curve"], x, 1) for r in a["runs"]]))
-                    for name, a in (("catpo", c), ("treerpo", t))}
-            c["vs_treerpo"] = {"sampled_tokens": x, "catpo_accuracy": at_x["catpo"],
-                               "treerpo_accuracy": at_x["treerpo"]}
+    if "catpo" in algos and "treerpo" in algos:  # both at the sampled tokens the shorter of the two reached
+        c, t = algos["catpo"], algos["treerpo"]
+        x = min(c["sampled_tokens"], t["sampled_tokens"])
+        at_x = {name: float(np.mean([interpolated_accuracy(r["curve"], x, 1) for r in a["runs"]]))
+                for name, a in (("catpo", c), ("treerpo", t))}
+        c["vs_treerpo"] = {"sampled_tokens": x, "catpo_accuracy": at_x["catpo"], "treerpo_accuracy": at_x["treerpo"]}
     return algos
 
 
@@ -266,20 +389,22 @@ def verdict(algos: dict) -> dict | None:
 
 def table(algos: dict) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"{'algorithm':<12} {'final acc':>9} {'(min-max)':>13} {'wall s':>7} {'tokens':>9} {'steps':>6} "
-             f"{'s to GRPO':>9} {'tok to GRPO':>11}"]
+    w = max(12, *map(len, algos))  # a variant's spec is longer than a name
+    lines = [f"{'algorithm':<{w}} {'final acc':>9} {'(min-max)':>13} {'wall s':>7} {'tokens':>9} {'steps':>6} "
+             f"{'s to GRPO':>9} {'tok to GRPO':>11} {'informative':>11}"]
     for name, a in algos.items():
         lo, hi = a["final_accuracy_spread"]
         steps = np.mean([r["steps"] for r in a["runs"]])
-        lines.append(f"{name:<12} {a['final_accuracy']:>9.3f} {f'({lo:.3f}-{hi:.3f})':>13} {a['wall_s']:>7.0f} "
+        lines.append(f"{name:<{w}} {a['final_accuracy']:>9.3f} {f'({lo:.3f}-{hi:.3f})':>13} {a['wall_s']:>7.0f} "
                      f"{a['sampled_tokens']:>9.0f} {steps:>6.1f} {fmt(a.get('time_to_grpo_final_s'), '9.0f'):>9} "
-                     f"{fmt(a.get('tokens_to_grpo_final'), '11.0f'):>11}")
+                     f"{fmt(a.get('tokens_to_grpo_final'), '11.0f'):>11} "
+                     f"{fmt(a['branches']['informative_share'], '11.3f'):>11}")
     return "\n".join(lines)
 
 
 def plot(algos: dict, out_dir: Path) -> list[str]:
-    """accuracy_vs_wall.png and accuracy_vs_tokens.png: per algorithm the mean over seeds (curves stepped onto a
-    common grid) and the min-max band."""
+    """accuracy_vs_wall.png and accuracy_vs_tokens.png: per algorithm (labelled by its spec) the mean over seeds
+    (curves stepped onto a common grid) and the min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,25 +438,23 @@ def main(argv: list[str] | None = None) -> int:
         return parsed
     args, overrides = parsed
     try:
-        # Seed by seed, every algorithm in turn: a change in the host's speed part way through falls on all of them.
-        cfgs = {(a, s): run_config(args.config, overrides, a, s) for s in args.seed_list for a in args.algos}
+        cfgs, first = run_configs(args, overrides)
     except ValueError as err:
         print(f"treepo-ray compare: {err}", file=sys.stderr)
         return 2
     from treepo_ray.runtime.cluster import set_up
 
     started = time.time()
-    first = cfgs[(args.algos[0], args.seed_list[0])]
     job = set_up(first)
     tr = first.trainer
     with evaluator(first, job) as ev:  # the base model's accuracy, once for every run
         base = ev.evaluate()["eval/accuracy"]
     print(f"base model: held-out accuracy {base:.3f} on {len(job.test_set)} problems", flush=True)
     algos: dict = {a: {"runs": []} for a in args.algos}
-    for (algo, seed), cfg in cfgs.items():
+    for (spec, seed), cfg in cfgs.items():
         run_started = time.time() - started
-        algos[algo]["runs"].append(train_run(job, cfg, args.budget_s, args.budget_tokens, args.eval_points))
-        algos[algo]["runs"][-1]["started_s"] = round(run_started, 1)
+        algos[spec]["runs"].append(train_run(job, cfg, args.budget_s, args.budget_tokens, args.eval_points))
+        algos[spec]["runs"][-1]["started_s"] = round(run_started, 1)
     eval_engines = evaluate_runs(job, first, [r for a in algos.values() for r in a["runs"]], base)
     summarise(algos)
     result = {"config": args.config, "overrides": redacted_overrides(overrides, first.log.redact_keys),
@@ -352,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         reached = "never" if v["time_ratio"] is None else f"in {v['time_ratio']:.2f}x GRPO's wall time"
         print(f"TreePO reached GRPO's final accuracy {reached} (target: within 0.75x); final "
               f"{v['final_accuracy_treepo']:.3f} vs GRPO {v['final_accuracy_grpo']:.3f}")
-    if "catpo" in algos:
-        c = algos["catpo"]
-        print(f"CATPO healing: {c['healing']['healed']:.0f} of {c['healing']['attempts']:.0f} dead-wrong trees gained"
+    for spec, c in algos.items():
+        if "healing" not in c:
+            continue
+        print(f"{spec} healing: {c['healing']['healed']:.0f} of {c['healing']['attempts']:.0f} dead-wrong trees gained"
               f" a correct branch (heal_rate {c['heal_rate']}); {c['healing']['generated_tokens']:.0f} generated + "
               f"{c['healing']['prompt_tokens']:.0f} prompt tokens")
     print(f"plots: {', '.join(result['plots'])}")

@@ -3,7 +3,10 @@
 Each node is a box (one generated segment) placed by depth (x) and leaf order (y), coloured by its propagated
 reward (red 0 -> green 1, grey when unknown); hovering shows the segment's decoded text and its numbers. Below each
 tree, its prompt and every segment's text as written (newlines kept; a text longer than FOLD_CHARS shows its start
-and opens on a click, <details>). A tree the step did not train on (dynamic sampling dropped it) says so.
+and opens on a click, <details>). A tree the step did not train on (dynamic sampling dropped it) says so. Where the
+record holds entropies, each branch point (a node with two children or more) gets a dot where its children's lines
+start, coloured by the entropy its children's first tokens were drawn from (light low, dark high, on the page's
+scale: the legend) and showing it on hover.
 No scripts or external files: inline SVG with <title> tooltips, so the page opens anywhere.
 """
 
@@ -84,12 +87,36 @@ def reward_colour(r: float | None) -> str:
     return f"#{red:02x}{min(green, 255):02x}60"
 
 
+def children(parent: list[int]) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in parent]
+    for i in range(1, len(parent)):
+        kids[parent[i]].append(i)
+    return kids
+
+
+def branch_entropies(rec: dict) -> dict[int, float]:
+    """Branch point -> the entropy at it: the first entropy of its first child that has one (all children's first
+    tokens come from the same distribution). Empty for a record without entropies."""
+    ent = rec.get("entropy") or []
+    out = {}
+    for node, kids in enumerate(children(rec["parent"])):
+        first = next((ent[c][0] for c in kids if c < len(ent) and ent[c]), None) if len(kids) >= 2 else None
+        if isinstance(first, (int, float)) and not math.isnan(first):  # null or NaN: none reported
+            out[node] = float(first)
+    return out
+
+
+def entropy_colour(e: float, top: float) -> str:
+    """Light (0) to dark violet (`top` and above): the scale of the page's branch-point entropies."""
+    t = min(max(e / top, 0.0), 1.0) if top > 0 else 0.0
+    lo, hi = (235, 230, 255), (60, 0, 140)
+    return "#" + "".join(f"{round(a + (b - a) * t):02x}" for a, b in zip(lo, hi))
+
+
 def layout(parent: list[int]) -> tuple[list[int], list[float]]:
     """Depth and vertical slot of every node: leaves take consecutive slots, a parent sits at its children's mean."""
     n = len(parent)
-    kids: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        kids[parent[i]].append(i)
+    kids = children(parent)
     depth, slot, next_leaf = [0] * n, [0.0] * n, 0
     stack = [(0, False)]
     while stack:  # iterative post-order walk (trees can be deeper than Python's recursion limit allows)
@@ -106,8 +133,9 @@ def layout(parent: list[int]) -> tuple[list[int], list[float]]:
     return depth, slot
 
 
-def tree_svg(rec: dict) -> str:
-    """One tree as an inline <svg>."""
+def tree_svg(rec: dict, entropy_top: float | None = None) -> str:
+    """One tree as an inline <svg>; branch points with an entropy get a dot coloured on the scale 0..entropy_top
+    (default: this tree's highest)."""
     parent, rewards = rec["parent"], rec.get("reward", [None] * len(rec["parent"]))
     texts = rec.get("texts") or [""] * len(parent)
     depth, slot = layout(parent)
@@ -116,6 +144,8 @@ def tree_svg(rec: dict) -> str:
     width = max(x) + BOX_W + 10
     height = max(y) + 2 * BOX_H
     ends = set(rec.get("trajectories", []))
+    entropy = branch_entropies(rec)
+    top = max(entropy.values(), default=0.0) if entropy_top is None else entropy_top
     parts = [f'<svg width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">']
     for i in range(1, len(parent)):
         p = parent[i]
@@ -124,7 +154,8 @@ def tree_svg(rec: dict) -> str:
         r = rewards[i] if i < len(rewards) else None
         label = "prompt" if i == 0 else f"#{i} {len(rec['tokens'][i])} tok"
         finish = rec.get("finish", ["none"] * len(parent))[i]
-        tip = (f"node {i} depth {depth[i]} reward {'?' if r is None else f'{r:.3f}'} finish {finish}"
+        at_branch = f" entropy at branch {entropy[i]:.3f}" if i in entropy else ""
+        tip = (f"node {i} depth {depth[i]} reward {'?' if r is None else f'{r:.3f}'} finish {finish}{at_branch}"
                f"{' (trajectory end)' if i in ends else ''}\n\n{texts[i] if i < len(texts) else ''}")
         stroke = ' stroke="#000" stroke-width="2"' if i in ends else ' stroke="#555"'
         parts.append(
@@ -132,12 +163,16 @@ def tree_svg(rec: dict) -> str:
             f'height="{BOX_H}" rx="3" fill="{reward_colour(r)}"{stroke}/><text x="{x[i] + 4}" y="{y[i] + 4}" '
             f'font-size="10" font-family="monospace">{html.escape(label)}</text></g>'
         )
+    for i, e in entropy.items():  # after the boxes, so the dots sit on top
+        parts.append(f'<g><title>branch point {i}: entropy {e:.3f} nats</title><circle cx="{x[i] + BOX_W}" '
+                     f'cy="{y[i]}" r="5" fill="{entropy_colour(e, top)}" stroke="#333"/></g>')
     parts.append("</svg>")
     return "".join(parts)
 
 
 def render_html(records: list[dict], title: str) -> str:
     """The whole page: one section per tree, newest last."""
+    top = max((e for rec in records for e in branch_entropies(rec).values()), default=None)
     sections = []
     for rec in records:
         meta = rec.get("meta", {})
@@ -150,7 +185,7 @@ def render_html(records: list[dict], title: str) -> str:
                 f"{skipped}")
         extra = html.escape(json.dumps({k: v for k, v in meta.items() if isinstance(v, (int, float, str))}))
         sections.append(f"<section><h3>{head}</h3>{folded(rec.get('prompt_text', ''), 'prompt')}"
-                        f"<p class='meta'>{extra}</p><div class='tree'>{tree_svg(rec)}</div>{node_texts(rec)}"
+                        f"<p class='meta'>{extra}</p><div class='tree'>{tree_svg(rec, top)}</div>{node_texts(rec)}"
                         "</section>")
     style = ("body{font-family:sans-serif;margin:1.5em} section{border-top:1px solid #ccc;padding:.5em 0} "
              ".prompt{font-family:monospace;white-space:pre-wrap;background:#f6f6f6;padding:.4em} "
@@ -162,6 +197,14 @@ def render_html(records: list[dict], title: str) -> str:
               "<span style='background:#00ff60'>1</span>, grey unknown); thick borders end a trajectory. "
               "Hover a box for its decoded text; each segment's text is listed below its tree (long ones folded: "
               "click to read on).</p>")
+    if top is not None:  # only pages whose trees carry entropies
+        def swatch(e: float) -> str:
+            ink = "#fff" if e > top / 2 else "#000"  # readable on the dark end
+            return f"<span style='background:{entropy_colour(e, top)};color:{ink}'>&nbsp;{e:.2f}&nbsp;</span>"
+
+        legend += (f"<p>Dots mark branch points, coloured by the entropy (nats) their children's first tokens were "
+                   f"drawn from: {swatch(0.0)} → {swatch(top / 2)} → {swatch(top)} (this page's highest); hover a "
+                   f"dot for its value.</p>")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{legend}{''.join(sections)}"
             f"</body></html>")
