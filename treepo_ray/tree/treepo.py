@@ -64,8 +64,9 @@ class TreePOConfig(PathLimits):
     min_segment_len, whose distribution's entropy reaches branch_entropy (at segment_len at the latest), so that the
     paths branch where the policy is unsure. Only segments of a tree still below its width end early (one at full
     width gets no new branch from its next round). The engines must report entropies (rollout.entropy)."""
-    branch_entropy: float = 1.0
-    """Entropy (nats) of the next-token distribution at which branch_point 'entropy' ends a segment."""
+    branch_entropy: float = 0.5
+    """Entropy (nats) of the next-token distribution at which branch_point 'entropy' ends a segment. On the default
+    task 2.9% of the base model's sampled tokens reach 0.5, mostly the digits of a column's sum (0.08 on average)."""
     min_segment_len: int = 16
     """Tokens a segment holds at least under branch_point 'entropy'."""
     entropy_temperature: float = 0.5
