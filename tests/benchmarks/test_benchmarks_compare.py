@@ -202,9 +202,13 @@ def test_two_algorithms_side_by_side(ray_local, tiny, tmp_path):
         for one in a["runs"]:
             assert one["curve"][0] == [0.0, 0.0, r["base_accuracy"]]
             assert all(len(row) == 3 for row in one["curve"]) and one["curve"][-1][2] == one["final_accuracy"]
-            # base, the weights published first after the mark at half the budget, the final weights
-            (_, (w1, t1, _), (w2, t2, _)) = one["curve"]
-            assert 0.5 <= w1 < w2 == round(one["wall_s"], 2) and 0 < t1 < t2 == one["sampled_tokens"]
+            # base, the weights published first after the mark at half the budget, the final weights: one point
+            # when those are the final ones (a first step past half the budget, as on a loaded machine)
+            points = one["curve"][1:]
+            assert 1 <= len(points) <= 2 and points[0][0] >= 0.5
+            assert [w for w, _, _ in points] == sorted({w for w, _, _ in points})
+            assert [t for _, t, _ in points] == sorted({t for _, t, _ in points}) and points[0][1] > 0
+            assert points[-1][:2] == [round(one["wall_s"], 2), one["sampled_tokens"]]
             assert one["wall_s"] >= 1.0 and one["sampled_tokens"] > 0 and one["steps"] >= 1
         assert "time_to_grpo_final_s" in a and "tokens_to_grpo_final" in a
         assert all("time_to_grpo_final_s" in one and "tokens_to_grpo_final" in one for one in a["runs"])

@@ -21,7 +21,9 @@ def test_bench_verifier_reports_categories_time_and_kills(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["pairs"] == 40 and set(result["categories"]) == {r["category"] for r in rows}
     assert result["pathological"]["all_wrong"] and result["pathological"]["workers_killed"] >= 2
-    assert result["pathological"]["seconds"] < 4.0
+    # Killed at the 1 s limit, not left to run (the LaTeX input backtracks for minutes); the bound is loose since
+    # the wall time of kills and restarts stretches on a loaded machine (4.6 s seen beside other jobs).
+    assert result["pathological"]["seconds"] < 30.0
     assert 0 < result["seconds_per_pair_batched"] < 1.0
     assert cli(["bench", "verifier", "--pairs", str(tmp_path / "missing.jsonl")]) == 2
     assert "no pairs file" in capsys.readouterr().err
